@@ -1,0 +1,190 @@
+"""Checkpoints: DeepSpeed's engine state plus the trainer state, saved atomically.
+
+Layout under <output_dir>/checkpoints:
+    step_00000004/            DeepSpeed files, trainer_state.json, rng_rank<r>.json, COMPLETE
+    latest                    the tag of the newest complete checkpoint, replaced by rename
+
+A save goes into `<tag>.tmp`, is fsynced, renamed to `<tag>`, and only then is `latest`
+replaced; a crash at any moment leaves the previous checkpoint loadable. A checkpoint without
+its COMPLETE marker is reported and skipped, never loaded half. At the end of a run the model is
+also exported as an HF folder (sharded safetensors + index, config, tokenizer).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .weight_sync import named_full_tensors
+
+MARKER = "COMPLETE"
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_tree(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "torch": torch.get_rng_state().tolist()}
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+def complete_checkpoints(root: str) -> list[str]:
+    """Tags of complete checkpoints, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    tags = [d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")
+            and os.path.isfile(os.path.join(root, d, MARKER))]
+    return sorted(tags)
+
+
+def find_resume_checkpoint(root: str, log=print):
+    """The checkpoint `latest` names if it is complete, else the newest complete one."""
+    latest_file = os.path.join(root, "latest")
+    complete = complete_checkpoints(root)
+    if os.path.isfile(latest_file):
+        with open(latest_file) as f:
+            tag = f.read().strip()
+        if tag in complete:
+            return os.path.join(root, tag)
+        log(f"checkpoint '{os.path.join(root, tag)}' named by latest is incomplete or missing; "
+            f"falling back to the newest complete one")
+    return os.path.join(root, complete[-1]) if complete else None
+
+
+def save(engine, root: str, step: int, trainer_state: dict, keep_last: int, is_main: bool,
+         rank: int) -> str:
+    """Collective: every rank calls it. Returns the checkpoint folder."""
+    tag = f"step_{step:08d}"
+    tmp = f"{tag}.tmp"
+    if is_main:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(os.path.join(root, tmp), ignore_errors=True)
+    _barrier()
+    engine.save_checkpoint(root, tag=tmp, save_latest=False)
+    with open(os.path.join(root, tmp, f"rng_rank{rank}.json"), "w") as f:
+        json.dump(rng_state(), f)
+    _barrier()
+    if is_main:
+        with open(os.path.join(root, tmp, "trainer_state.json"), "w") as f:
+            json.dump(trainer_state, f, indent=1)
+        with open(os.path.join(root, tmp, MARKER), "w") as f:
+            f.write(tag)
+        _fsync_tree(os.path.join(root, tmp))
+        final = os.path.join(root, tag)
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.rename(os.path.join(root, tmp), final)
+        _fsync_dir(root)
+        _write_atomic(os.path.join(root, "latest"), tag)
+        _prune(root, keep_last, keep=tag)
+    _barrier()
+    return os.path.join(root, tag)
+
+
+def _prune(root: str, keep_last: int, keep: str) -> None:
+    tags = complete_checkpoints(root)
+    for tag in tags[:-keep_last] if keep_last < len(tags) else []:
+        if tag != keep:
+            shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
+
+
+def load(engine, path: str, rank: int) -> dict:
+    """Collective: restore the engine, this rank's RNG; returns the trainer state."""
+    if not os.path.isfile(os.path.join(path, MARKER)):
+        raise FileNotFoundError(f"checkpoint '{path}' is incomplete (no {MARKER} marker)")
+    load_path, _ = engine.load_checkpoint(os.path.dirname(path), tag=os.path.basename(path))
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint '{path}'")
+    rng_file = os.path.join(path, f"rng_rank{rank}.json")
+    if os.path.isfile(rng_file):
+        with open(rng_file) as f:
+            set_rng_state(json.load(f))
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return json.load(f)
+
+
+def export_hf(module, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 2048,
+              bucket_mb: int = 256) -> None:
+    """Collective: write an HF folder that AutoModelForCausalLM and vLLM load unchanged.
+    Tensors stream bucket by bucket into safetensors shards on the main rank."""
+    from safetensors.torch import save_file
+
+    if is_main:
+        os.makedirs(out_dir, exist_ok=True)
+        for name in os.listdir(out_dir):
+            if name.endswith(".safetensors") or name == "model.safetensors.index.json":
+                os.remove(os.path.join(out_dir, name))
+    shard, shard_bytes, shards, weight_map = {}, 0, [], {}
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard:
+            name = f"model-{len(shards) + 1:05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+            shards.append(name)
+            weight_map.update({k: name for k in shard})
+            shard, shard_bytes = {}, 0
+
+    for name, tensor in named_full_tensors(module, bucket_mb):
+        if not is_main:
+            continue
+        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        shard_bytes += tensor.numel() * tensor.element_size()
+        if shard_bytes >= shard_mb * 2**20:
+            flush()
+    if is_main:
+        flush()
+        if len(shards) == 1:
+            os.replace(os.path.join(out_dir, shards[0]), os.path.join(out_dir, "model.safetensors"))
+        else:
+            total = sum(os.path.getsize(os.path.join(out_dir, s)) for s in shards)
+            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        module.config.save_pretrained(out_dir)
+        if getattr(module, "generation_config", None) is not None:
+            module.generation_config.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    _barrier()

@@ -1,0 +1,135 @@
+"""Prompt data: loading with `datasets`, chat-template rendering, a resumable distributed sampler.
+
+Rows are {"prompt": str, "system_prompt"?: str, ...} or {"messages": [...], ...}; every other
+field travels with the prompt to the reward functions (e.g. a reference "answer").
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file and the line or row."""
+
+
+@dataclass
+class Prompt:
+    prompt: object               # the user's prompt text, or the messages list
+    token_ids: list[int]         # chat-template-rendered prompt, tokenized
+    fields: dict = field(default_factory=dict)  # every other row field, for the rewards
+
+
+_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def _check_jsonl(path: str) -> None:
+    """datasets' JSON errors name neither line nor cause: check each line first."""
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{number}: malformed JSON ({e.msg} at column {e.colno}); "
+                                "each line must be one JSON object") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+
+
+def load_rows(path: str, split: str = "train") -> list[dict]:
+    """Local JSONL/JSON/Parquet/CSV file, or a hub dataset name."""
+    import datasets
+
+    ext = os.path.splitext(path)[1].lower()
+    if os.path.isfile(path):
+        if ext not in _LOADERS:
+            raise DataError(f"{path}: unknown data format '{ext}'; use .jsonl, .json, .parquet or .csv")
+        if ext == ".jsonl":
+            _check_jsonl(path)
+        ds = datasets.load_dataset(_LOADERS[ext], data_files=path, split="train")
+    else:
+        ds = datasets.load_dataset(path, split=split)
+    return [dict(row) for row in ds]
+
+
+def _row_messages(row: dict, where: str, prompt_field: str, system_prompt) -> tuple[object, list]:
+    if "messages" in row and row["messages"] is not None:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+        return messages, messages
+    if prompt_field not in row or not isinstance(row[prompt_field], str):
+        raise DataError(f"{where}: missing string field '{prompt_field}' (or 'messages'); "
+                        f"row keys: {sorted(row)}; set data.prompt_field if it is named otherwise")
+    system = row.get("system_prompt") or system_prompt
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": row[prompt_field]}]
+    return row[prompt_field], messages
+
+
+def load_prompts(path: str, tokenizer, max_prompt_length: int, prompt_field: str = "prompt",
+                 system_prompt=None, split: str = "train") -> tuple[list[Prompt], int]:
+    """Render and tokenize every row; returns (prompts, number dropped as too long)."""
+    rows = load_rows(path, split)
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    line_word = "line" if path.endswith(".jsonl") else "row"
+    prompts, dropped = [], 0
+    for index, row in enumerate(rows):
+        where = f"{path}:{line_word} {index + 1}"
+        prompt, messages = _row_messages(row, where, prompt_field, system_prompt)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_length:
+            dropped += 1
+            continue
+        fields = {k: v for k, v in row.items() if k not in (prompt_field, "messages", "system_prompt")}
+        prompts.append(Prompt(prompt=prompt, token_ids=ids, fields=fields))
+    if not prompts:
+        raise DataError(f"{path}: all {len(rows)} prompts are longer than data.max_prompt_length="
+                        f"{max_prompt_length} tokens; raise it")
+    return prompts, dropped
+
+
+class PromptSampler:
+    """Seeded, resumable, distributed: each step the dp ranks take disjoint slices of one global
+    batch of prompts; each epoch is a fresh permutation. State is (epoch, position)."""
+
+    def __init__(self, num_prompts: int, prompts_per_rank: int, dp_rank: int, dp_size: int,
+                 seed: int, shuffle: bool = True):
+        self.num_prompts, self.per_rank = num_prompts, prompts_per_rank
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.seed, self.shuffle = seed, shuffle
+        self.global_batch = prompts_per_rank * dp_size
+        self.steps_per_epoch = num_prompts // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise DataError(f"{num_prompts} prompts cannot fill one step of {self.global_batch} "
+                            f"prompts ({prompts_per_rank} per rank x {dp_size} ranks); add data or "
+                            "lower the batch size")
+        self.epoch, self.position = 0, 0
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_prompts))
+        gen = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_prompts, generator=gen).tolist()
+
+    def next_indices(self) -> list[int]:
+        """This rank's prompt indices for the next step; advances the state."""
+        if self.position >= self.steps_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        start = self.position * self.global_batch + self.dp_rank * self.per_rank
+        self.position += 1
+        return self._order(self.epoch)[start:start + self.per_rank]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]

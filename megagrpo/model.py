@@ -1,0 +1,109 @@
+"""Models behind one function each: the trainable policy engine and the frozen reference.
+
+Weights always come from `from_pretrained`, with DeepSpeed's config registered through
+`HfDeepSpeedConfig` under ZeRO-3, so parameters are partitioned as they load and keep their
+real values (a model built by hand inside `zero.Init` would skip transformers' init).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import deepspeed
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations import HfDeepSpeedConfig
+
+from .config import Config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_tokenizer(path: str):
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def deepspeed_config(cfg: Config, world_size: int) -> dict:
+    """The user's DeepSpeed JSON with batch sizes, precision and clipping filled in from cfg."""
+    if isinstance(cfg.deepspeed, str):
+        with open(cfg.deepspeed) as f:
+            ds = json.load(f)
+    else:
+        ds = copy.deepcopy(cfg.deepspeed)
+    g = cfg.grpo
+    ds["train_micro_batch_size_per_gpu"] = g.per_device_train_batch_size
+    ds["gradient_accumulation_steps"] = g.gradient_accumulation_steps
+    ds["train_batch_size"] = g.per_device_train_batch_size * g.gradient_accumulation_steps * world_size
+    ds["gradient_clipping"] = g.max_grad_norm
+    ds["bf16"] = {"enabled": cfg.model.dtype == "bfloat16"}
+    ds.pop("fp16", None)
+    ds.setdefault("zero_optimization", {"stage": 0})
+    if "optimizer" in ds:
+        ds["optimizer"].setdefault("params", {}).update(
+            lr=g.learning_rate, betas=[g.adam_beta1, g.adam_beta2], weight_decay=g.weight_decay)
+    ds.setdefault("steps_per_print", 10**9)
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def lr_lambda(cfg: Config, total_steps: int):
+    """Linear warmup, then constant or cosine decay to 0 at total_steps."""
+    warmup, kind = cfg.grpo.warmup_steps, cfg.grpo.lr_scheduler_type
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def _load(cfg: Config, ds_config: dict):
+    dschf = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None  # noqa: F841
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path,
+                                                 dtype=DTYPES[cfg.model.dtype])
+    return model
+
+
+def build_policy(cfg: Config, ds_config: dict, total_steps: int):
+    """deepspeed.initialize on the HF model: ZeRO 0-3, AdamW, warmup + schedule."""
+    model = _load(cfg, ds_config)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    optimizer = None
+    if "optimizer" not in ds_config:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.grpo.learning_rate,
+                                      betas=(cfg.grpo.adam_beta1, cfg.grpo.adam_beta2),
+                                      weight_decay=cfg.grpo.weight_decay)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds_config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps)))
+    return engine
+
+
+def build_reference(cfg: Config, ds_config: dict):
+    """The frozen reference: a ZeRO-3 inference engine (no optimizer state) when the policy
+    uses ZeRO-3, optionally with parameters offloaded to CPU; else a plain eval module."""
+    if zero_stage(ds_config) != 3:
+        model = _load(cfg, ds_config).eval().requires_grad_(False)
+        return model
+    ref_config = {k: ds_config[k] for k in ("train_micro_batch_size_per_gpu", "train_batch_size",
+                                            "gradient_accumulation_steps", "bf16", "steps_per_print")}
+    ref_config["zero_optimization"] = {"stage": 3}
+    if cfg.model.ref_offload:
+        ref_config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    model = _load(cfg, ref_config).eval().requires_grad_(False)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ref_config)
+    engine.eval()
+    return engine

@@ -1,0 +1,124 @@
+"""Reward functions: built-ins, user functions by dotted path, weighted combination, checks.
+
+A reward function is `fn(prompts, completions, **fields) -> list[float]`: one float per
+completion, where `fields` holds every other row field as a list aligned with `completions`
+(plus the `args` of its config entry). A function that raises, returns the wrong count, or
+returns NaN/inf stops the run with an error naming the function and the sample.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+class RewardError(RuntimeError):
+    """A reward function misbehaved; the message names the function and the sample."""
+
+
+def _parse_number(text: str):
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def answer_match(prompts, completions, answer=None, marker: str = "Answer:", **_) -> list[float]:
+    """1.0 when the number after `marker` (else the last number) equals the row's `answer`
+    field numerically, or the stripped strings are equal; else 0.0."""
+    if answer is None:
+        raise ValueError("answer_match needs an 'answer' field in every data row")
+    scores = []
+    for completion, reference in zip(completions, answer):
+        tail = completion.rsplit(marker, 1)[1] if marker and marker in completion else completion
+        numbers = _NUMBER.findall(tail)
+        got = numbers[0] if marker and marker in completion and numbers else (numbers[-1] if numbers else tail)
+        ref_num, got_num = _parse_number(str(reference)), _parse_number(got)
+        if ref_num is not None and got_num is not None:
+            scores.append(1.0 if math.isclose(ref_num, got_num, rel_tol=1e-9, abs_tol=1e-9) else 0.0)
+        else:
+            scores.append(1.0 if got.strip() == str(reference).strip() else 0.0)
+    return scores
+
+
+def format_match(prompts, completions, pattern: str = r"^.*Answer: .+$", **_) -> list[float]:
+    """1.0 when the whole completion matches the regex `pattern` (DOTALL), else 0.0."""
+    regex = re.compile(pattern, re.DOTALL)
+    return [1.0 if regex.fullmatch(c.strip()) else 0.0 for c in completions]
+
+
+def length_penalty(prompts, completions, target: int = 150, **_) -> list[float]:
+    """1 - |len - target| / target in characters, floored at -1."""
+    return [max(-1.0, 1.0 - abs(len(c) - target) / target) for c in completions]
+
+
+BUILTINS: dict[str, Callable] = {
+    "answer_match": answer_match,
+    "format": format_match,
+    "length_penalty": length_penalty,
+}
+
+
+def resolve(name: str) -> Callable:
+    """A built-in name or `package.module:function`."""
+    if name in BUILTINS:
+        return BUILTINS[name]
+    if ":" not in name:
+        raise RewardError(f"reward '{name}' is not a built-in ({', '.join(BUILTINS)}) nor a "
+                          "dotted path module:function")
+    module_name, attr = name.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RewardError(f"reward '{name}': cannot import module '{module_name}': {e}") from None
+    if not hasattr(module, attr):
+        raise RewardError(f"reward '{name}': module '{module_name}' has no '{attr}'")
+    return getattr(module, attr)
+
+
+@dataclass
+class RewardFunction:
+    name: str
+    fn: Callable
+    weight: float
+    args: dict
+
+
+def build_reward_functions(configs) -> list[RewardFunction]:
+    return [RewardFunction(name=c.name, fn=resolve(c.name), weight=c.weight, args=dict(c.args))
+            for c in configs]
+
+
+def _sample(prompts, completions, i) -> str:
+    return f"sample {i} (prompt {str(prompts[i])[:80]!r}, completion {completions[i][:80]!r})"
+
+
+def compute_rewards(functions: list[RewardFunction], prompts: list, completions: list[str],
+                    fields: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (weighted total (N,), per-function matrix (N, F)), all float32 and finite."""
+    n = len(completions)
+    columns = []
+    for rf in functions:
+        try:
+            values = rf.fn(prompts, completions, **fields, **rf.args)
+        except Exception as e:
+            raise RewardError(f"reward function '{rf.name}' raised {type(e).__name__}: {e} "
+                              f"(batch of {n}; first {_sample(prompts, completions, 0)})") from e
+        values = list(values) if values is not None else []
+        if len(values) != n:
+            raise RewardError(f"reward function '{rf.name}' returned {len(values)} values for "
+                              f"{n} completions; it must return one float per completion")
+        for i, v in enumerate(values):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise RewardError(f"reward function '{rf.name}' returned {v!r} for "
+                                  f"{_sample(prompts, completions, i)}; rewards must be finite floats")
+        columns.append(torch.tensor(values, dtype=torch.float32))
+    per_function = torch.stack(columns, dim=1)
+    weights = torch.tensor([rf.weight for rf in functions], dtype=torch.float32)
+    return per_function @ weights, per_function

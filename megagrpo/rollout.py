@@ -1,0 +1,162 @@
+"""Rollout engines: sample G completions per prompt and take new weights in place.
+
+Both engines have the same interface:
+    generate(prompt_ids, n, seed, greedy=False) -> per prompt, n Completions
+    load_weights(named_tensors)   # a stream of (HF name, tensor); no restart, no disk
+    sleep() / wake_up()           # free accelerator memory while the trainer runs
+
+`VLLMEngine` runs vLLM inside this training process (external_launcher executor, created
+after the job's process group). `HFEngine` runs transformers' generate on its own copy of the
+model: the fallback, and the correctness reference for the vLLM path.
+Sampler logprobs are log-softmax(logits / temperature) of the sampled token, as the trainer
+computes them (vLLM's processed_logprobs).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from .config import Config
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    truncated: bool  # stopped by max_new_tokens, not by EOS or a stop string
+
+
+def _on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+class VLLMEngine:
+    def __init__(self, cfg: Config, model_path: str, seed: int):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        r = cfg.rollout
+        self.cfg = r
+        self.sleeping = False
+        self.can_sleep = r.sleep and _on_gpu()
+        kwargs = {}
+        if not _on_gpu():
+            # On CPU vLLM sizes its KV cache as a share of RAM minus this process's RSS, which
+            # is fragile next to a trainer; reserve a fixed size instead.
+            kwargs["kv_cache_memory_bytes"] = int(r.cpu_kv_cache_gb * 2**30)
+        self.llm = LLM(
+            model=model_path, dtype=cfg.model.dtype, seed=seed,
+            distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            max_model_len=r.max_model_len or (cfg.data.max_prompt_length + r.max_new_tokens),
+            logprobs_mode="processed_logprobs", enable_sleep_mode=self.can_sleep,
+            enforce_eager=not _on_gpu(), enable_prefix_caching=False, **kwargs)
+
+    def generate(self, prompt_ids: list[list[int]], n: int, seed: int,
+                 greedy: bool = False) -> list[list[Completion]]:
+        from vllm import SamplingParams
+
+        r = self.cfg
+        params = [SamplingParams(
+            n=n, temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+            max_tokens=r.max_new_tokens, stop=list(r.stop) or None, logprobs=0,
+            seed=seed * 100003 + i) for i in range(len(prompt_ids))]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
+                                    use_tqdm=False)
+        return [[Completion(token_ids=list(c.token_ids),
+                            logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                            truncated=c.finish_reason == "length")
+                 for c in out.outputs] for out in outputs]
+
+    def score(self, token_ids: list[int], prompt_len: int) -> list[float]:
+        """Logprobs of token_ids[prompt_len:] given what precedes them (prompt_logprobs)."""
+        from vllm import SamplingParams
+
+        out = self.llm.generate([{"prompt_token_ids": token_ids}],
+                                SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        logprobs = out[0].prompt_logprobs
+        return [logprobs[i][token_ids[i]].logprob for i in range(prompt_len, len(token_ids))]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": iter(named_tensors)})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        # Level 1 keeps a CPU copy of the weights; level 2 would drop them and a wake-up
+        # reload from disk would overwrite the synced weights (TRL #5312).
+        if self.can_sleep and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+
+class HFEngine:
+    def __init__(self, cfg: Config, model_path: str, seed: int):
+        from transformers import AutoModelForCausalLM
+
+        from .model import DTYPES, load_tokenizer
+
+        self.cfg = cfg.rollout
+        device = f"cuda:{torch.cuda.current_device()}" if _on_gpu() else "cpu"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=DTYPES[cfg.model.dtype]).to(device).eval()
+        tokenizer = load_tokenizer(model_path)
+        self.pad_id, self.eos_id, self.tokenizer = tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer
+        self.device = device
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], n: int, seed: int,
+                 greedy: bool = False) -> list[list[Completion]]:
+        r = self.cfg
+        rows = [ids for ids in prompt_ids for _ in range(n)]
+        width = max(len(ids) for ids in rows)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in rows],
+                                 device=self.device)
+        mask = (torch.arange(width, device=self.device)[None, :] >=
+                torch.tensor([width - len(ids) for ids in rows], device=self.device)[:, None]).long()
+        with torch.random.fork_rng(devices=[self.device] if _on_gpu() else []):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=input_ids, attention_mask=mask, do_sample=not greedy,
+                temperature=r.temperature if not greedy else None,
+                top_p=r.top_p if not greedy else None, top_k=(r.top_k if r.top_k > 0 else None) if not greedy else None,
+                max_new_tokens=r.max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                stop_strings=list(r.stop) or None, tokenizer=self.tokenizer if r.stop else None,
+                return_dict_in_generate=True, output_logits=True)
+        generated = out.sequences[:, width:]
+        temperature = 1.0 if greedy else r.temperature
+        logprobs = torch.stack(out.logits, dim=1).float().div(temperature).log_softmax(-1)
+        token_logprobs = logprobs.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+        completions = []
+        for row in range(len(rows)):
+            ids = generated[row].tolist()
+            end = ids.index(self.eos_id) + 1 if self.eos_id in ids else len(ids)
+            completions.append(Completion(token_ids=ids[:end],
+                                          logprobs=token_logprobs[row, :end].tolist(),
+                                          truncated=self.eos_id not in ids[:end]))
+        return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            params[name].data.copy_(tensor)
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+
+def build_rollout_engine(cfg: Config, seed: int):
+    engine_class = {"vllm": VLLMEngine, "hf": HFEngine}[cfg.rollout.engine]
+    return engine_class(cfg, cfg.model.name_or_path, seed)

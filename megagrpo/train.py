@@ -1,0 +1,351 @@
+"""The GRPO trainer: `python -m megagrpo.train --config X.yaml key.sub=value ...`.
+
+Runs as one process, under `deepspeed --num_gpus N --module megagrpo.train`, or torchrun.
+One step:
+    prompts -> rollout (G completions each) -> rewards -> group advantages
+    -> reference (and old-policy) logprobs -> mu passes of clipped, KL-penalised updates
+    -> weight sync into the rollout engine -> metrics, checkpoint
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import socket
+import sys
+import time
+
+import torch
+
+from . import checkpoint, grpo
+from .batch import RolloutBatch, make_batch, token_logprobs
+from .config import Config, ConfigError, load_config
+from .data import DataError, Prompt, PromptSampler, load_prompts
+from .metrics import MetricsLogger, StepStats, all_gather_1d, all_reduce, progress_bar
+from .model import build_policy, build_reference, deepspeed_config, load_tokenizer
+from .rewards import RewardError, build_reward_functions, compute_rewards
+from .rollout import build_rollout_engine
+from .topology import Topology
+from .weight_sync import sync_weights
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: float = 30.0) -> Topology:
+    """Create the job's process group (one plain process gets a world of one)."""
+    import deepspeed
+
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
+    topology = Topology.from_env()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(topology.local_rank)
+    return topology
+
+
+class Trainer:
+    def __init__(self, cfg: Config, topology: Topology):
+        self.cfg, self.topo = cfg, topology
+        g = cfg.grpo
+        self.device = torch.device(f"cuda:{topology.local_rank}" if torch.cuda.is_available() else "cpu")
+        self.log = lambda msg: print(f"[megagrpo] {msg}", flush=True) if topology.is_main else None
+        self.tokenizer = load_tokenizer(cfg.model.name_or_path)
+        self.prompts, dropped = load_prompts(cfg.data.train_file, self.tokenizer,
+                                             cfg.data.max_prompt_length, cfg.data.prompt_field,
+                                             cfg.data.system_prompt, cfg.data.split)
+        self.log(f"{len(self.prompts)} training prompts; {dropped} dropped as longer than "
+                 f"data.max_prompt_length={cfg.data.max_prompt_length}")
+        self.eval_prompts = []
+        if cfg.data.eval_file:
+            self.eval_prompts, _ = load_prompts(cfg.data.eval_file, self.tokenizer,
+                                                cfg.data.max_prompt_length, cfg.data.prompt_field,
+                                                cfg.data.system_prompt)
+        self.reward_functions = build_reward_functions(cfg.rewards.functions)
+        completions_per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
+        self.sampler = PromptSampler(len(self.prompts), completions_per_rank // g.num_generations,
+                                     topology.dp_rank, topology.dp_size, g.seed, cfg.data.shuffle)
+        self.total_steps = g.max_steps if g.max_steps > 0 else max(
+            1, math.ceil(g.num_train_epochs * self.sampler.steps_per_epoch))
+        self.ds_config = deepspeed_config(cfg, topology.world_size)
+        self.policy = build_policy(cfg, self.ds_config, self.total_steps)
+        self.reference = build_reference(cfg, self.ds_config) if g.kl_coef > 0 else None
+        self.rollout = build_rollout_engine(cfg, seed=g.seed + topology.dp_rank)
+        self.metrics = MetricsLogger(cfg.output_dir, topology.is_main and cfg.logging.report_to == "tensorboard")
+        self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
+        self.step = 0
+        self.log(topology.describe())
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        cfg = self.cfg
+        self.maybe_resume()
+        sync_weights(self.policy.module, self.rollout, cfg.rollout.sync_bucket_mb)
+        results = {}
+        if self.eval_prompts and self.step == 0:
+            results["before"] = self.evaluate()
+            self.log(f"held-out before training: {_format_eval(results['before'])}")
+        bar = progress_bar(self.total_steps, self.step, self.topo.is_main and cfg.logging.progress_bar)
+        while self.step < self.total_steps:
+            start = time.perf_counter()
+            metrics = self.train_step()
+            self.step += 1
+            metrics["time/step"] = time.perf_counter() - start
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward']:.3f}", step_s=f"{metrics['time/step']:.1f}")
+            if self.step % cfg.logging.logging_steps == 0 or self.step == self.total_steps:
+                self.metrics.scalars(self.step, {f"train/{k}": v for k, v in metrics.items()})
+            if cfg.logging.eval_steps and self.step % cfg.logging.eval_steps == 0 and self.eval_prompts:
+                self.metrics.scalars(self.step, {f"eval/{k}": v for k, v in self.evaluate().items()})
+            if cfg.checkpoint.save_steps and self.step % cfg.checkpoint.save_steps == 0:
+                self.save()
+        bar.close()
+        if not cfg.checkpoint.save_steps or self.step % cfg.checkpoint.save_steps != 0:
+            self.save()
+        if self.eval_prompts:
+            results["after"] = self.evaluate()
+            self.metrics.scalars(self.step, {f"eval/{k}": v for k, v in results["after"].items()})
+            self.log(f"held-out after training: {_format_eval(results['after'])}")
+        if cfg.checkpoint.save_hf_at_end:
+            out = os.path.join(cfg.output_dir, "hf")
+            checkpoint.export_hf(self.policy.module, self.tokenizer, out, self.topo.is_main)
+            self.log(f"HF model written to {out}")
+        if self.topo.is_main and results:
+            path = os.path.join(cfg.output_dir, "eval_results.json")
+            previous = json.load(open(path)) if os.path.isfile(path) else {}
+            with open(path, "w") as f:
+                json.dump({**previous, **results}, f, indent=1)
+        self.metrics.close()
+        self.log(f"done: {self.step} steps. Watch with: tensorboard --logdir {self.metrics.log_dir}")
+        return results
+
+    def train_step(self) -> dict:
+        cfg, g = self.cfg, self.cfg.grpo
+        timings = {}
+        clock = time.perf_counter()
+        prompts = [self.prompts[i] for i in self.sampler.next_indices()]
+
+        # rollout: G completions per prompt, with the sampler's logprobs
+        groups = self.rollout.generate([p.token_ids for p in prompts], n=g.num_generations,
+                                       seed=self._rollout_seed())
+        self.rollout.sleep()
+        completions = [c for group in groups for c in group]
+        prompt_of = [p for p in prompts for _ in range(g.num_generations)]
+        timings["rollout"], clock = time.perf_counter() - clock, time.perf_counter()
+
+        # rewards and group advantages (groups never leave their rank; batch std is global)
+        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        rewards, per_function = self._rewards(prompt_of, texts)
+        global_rewards = all_gather_1d(rewards)
+        advantages = grpo.group_advantages(rewards, g.num_generations, g.scale_rewards,
+                                           batch_std=global_rewards.std())
+        timings["reward"], clock = time.perf_counter() - clock, time.perf_counter()
+
+        batch = make_batch([p.token_ids for p in prompt_of], completions, advantages,
+                           self.tokenizer.pad_token_id).to(self.device)
+        if g.mask_truncated_completions:
+            batch.completion_mask = batch.completion_mask * (~batch.truncated).unsqueeze(1).float()
+
+        # reference and old-policy logprobs
+        with torch.no_grad():
+            if self.reference is not None:
+                batch.ref_logp = self._logprobs_in_microbatches(self.reference, batch)
+            if g.num_iterations > 1:
+                batch.old_logp = self._logprobs_in_microbatches(self.policy, batch)
+        timings["reference"], clock = time.perf_counter() - clock, time.perf_counter()
+
+        stats = self.optimize(batch)
+        timings["train"], clock = time.perf_counter() - clock, time.perf_counter()
+
+        timings["weight_sync"] = sync_weights(self.policy.module, self.rollout, cfg.rollout.sync_bucket_mb)
+        if self.topo.is_main and cfg.logging.sample_steps and (self.step + 1) % cfg.logging.sample_steps == 0:
+            self._log_samples(prompts[0], texts[:g.num_generations], rewards[:g.num_generations])
+        return self._step_metrics(global_rewards, per_function, advantages, completions, batch,
+                                  stats, timings)
+
+    def optimize(self, batch: RolloutBatch) -> StepStats:
+        """mu passes over the batch in micro-batches; one optimizer step per pass."""
+        g = self.cfg.grpo
+        stats = StepStats()
+        micro = g.per_device_train_batch_size
+        normalisers = self._loss_normalisers(batch)
+        epsilon_high = g.epsilon_high if g.epsilon_high is not None else g.epsilon
+        self.policy.train()
+        for _ in range(g.num_iterations):
+            for start in range(0, len(batch), micro):
+                mb = batch.slice(start, start + micro)
+                logp, entropy = token_logprobs(self.policy, mb, self.cfg.rollout.temperature,
+                                               with_entropy=True)
+                old_logp = mb.old_logp if mb.old_logp is not None else logp.detach()
+                is_weights = None
+                if g.importance_sampling_correction:
+                    is_weights = grpo.truncated_importance_weights(
+                        old_logp, mb.sampler_logp, g.importance_sampling_cap)
+                token = grpo.per_token_loss(logp, old_logp, mb.advantages, g.epsilon, epsilon_high,
+                                            g.kl_coef, mb.ref_logp, is_weights)
+                loss = grpo.aggregate(token.loss, mb.completion_mask, g.loss_type, **normalisers)
+                self.policy.backward(loss, scale_wrt_gas=False)
+                self.policy.step()
+                self._record(stats, mb, loss, token, entropy, old_logp, is_weights)
+        return stats
+
+    # ---- pieces -------------------------------------------------------------------------------
+
+    def _rollout_seed(self) -> int:
+        """Distinct per step and per dp rank, and a pure function of both (exact resume)."""
+        return (self.cfg.grpo.seed * 1_000_003 + self.step) * 1009 + self.topo.dp_rank
+
+    def _rewards(self, prompts: list[Prompt], texts: list[str]):
+        fields = {key: [p.fields.get(key) for p in prompts] for key in prompts[0].fields}
+        return compute_rewards(self.reward_functions, [p.prompt for p in prompts], texts, fields)
+
+    def _loss_normalisers(self, batch: RolloutBatch) -> dict:
+        """What the chosen aggregation divides by, for the whole step (see grpo.aggregate)."""
+        g = self.cfg.grpo
+        tokens = float(batch.completion_mask.sum())
+        if g.loss_type == "dapo":  # global token mean; DeepSpeed averages over dp ranks
+            tokens = float(all_reduce(torch.tensor([tokens], dtype=torch.float64))[0]) / self.topo.dp_size
+        return {"num_sequences": len(batch), "num_tokens": tokens,
+                "max_completion_length": self.cfg.rollout.max_new_tokens}
+
+    def _logprobs_in_microbatches(self, model, batch: RolloutBatch) -> torch.Tensor:
+        micro = self.cfg.grpo.per_device_train_batch_size
+        model.eval()
+        parts = [token_logprobs(model, batch.slice(s, s + micro), self.cfg.rollout.temperature)[0]
+                 for s in range(0, len(batch), micro)]
+        return torch.cat(parts)
+
+    def _record(self, stats, mb, loss, token, entropy, old_logp, is_weights) -> None:
+        mask = mb.completion_mask
+        # each micro-batch's loss is its share of the step's loss: scale so the mean is the step's
+        micro_batches = self.cfg.grpo.gradient_accumulation_steps
+        stats.add_mean("loss", loss.detach().reshape(1) * micro_batches, torch.ones(1, device=loss.device))
+        stats.add_mean("entropy", entropy, mask)
+        if token.kl is not None:
+            stats.add_mean("kl", token.kl.detach(), mask)
+        stats.add_mean("clip_ratio/low_mean", token.clipped_low.float(), mask)
+        stats.add_mean("clip_ratio/high_mean", token.clipped_high.float(), mask)
+        stats.add_mean("clip_ratio/region_mean", (token.clipped_low | token.clipped_high).float(), mask)
+        diff = (old_logp - mb.sampler_logp).abs()
+        stats.add_mean("sampling/sampling_logp_difference/mean", diff, mask)
+        stats.add_extrema("sampling/sampling_logp_difference", diff, mask)
+        if is_weights is not None:
+            stats.add_mean("sampling/importance_sampling_ratio/mean", is_weights, mask)
+            stats.add_extrema("sampling/importance_sampling_ratio", is_weights, mask)
+
+    def _step_metrics(self, global_rewards, per_function, advantages, completions, batch,
+                      stats: StepStats, timings: dict) -> dict:
+        g = self.cfg.grpo
+        out = stats.reduce()
+        out.pop("sampling/sampling_logp_difference/min", None)
+        grouped = global_rewards.view(-1, g.num_generations)
+        out.update({
+            "reward": global_rewards.mean(), "reward_std": global_rewards.std(),
+            "reward_min": global_rewards.min(), "reward_max": global_rewards.max(),
+            "frac_reward_zero_std": (grouped.std(dim=1) < 1e-6).float().mean(),
+        })
+        global_per_function = [all_gather_1d(per_function[:, i].contiguous())
+                               for i in range(per_function.shape[1])]
+        for rf, values in zip(self.reward_functions, global_per_function):
+            out[f"rewards/{rf.name}/mean"] = values.mean()
+            out[f"rewards/{rf.name}/std"] = values.std()
+        global_adv = all_gather_1d(advantages)
+        out["advantages/mean"], out["advantages/std"] = global_adv.mean(), global_adv.std()
+        lengths = all_gather_1d(torch.tensor([float(len(c.token_ids)) for c in completions]))
+        truncated = all_gather_1d(torch.tensor([float(c.truncated) for c in completions]))
+        out.update({"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+                    "completions/max_length": lengths.max(),
+                    "completions/clipped_ratio": truncated.mean()})
+        out["learning_rate"] = self.policy.get_lr()[0]
+        grad_norm = self.policy.get_global_grad_norm()
+        out["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        tokens = all_reduce(batch.attention_mask.sum().float().reshape(1).cpu())[0]
+        out["tokens_per_second"] = tokens / max(sum(timings.values()), 1e-9)
+        out.update({f"time/{k}": v for k, v in timings.items()})
+        return {k: float(v) for k, v in out.items()}
+
+    def _log_samples(self, prompt: Prompt, texts: list[str], rewards: torch.Tensor) -> None:
+        rows = "\n".join(f"| {r:.3f} | {t[:300]!r} |".replace("\n", " ") for t, r in zip(texts, rewards.tolist()))
+        self.metrics.text(self.step + 1, "samples",
+                          f"**prompt:** {str(prompt.prompt)[:300]!r}\n\n| reward | completion |\n|---|---|\n{rows}")
+
+    def evaluate(self) -> dict:
+        """Greedy completions of this rank's share of the held-out prompts, scored by the
+        reward functions; returns the global mean reward, total and per function."""
+        shard = self.eval_prompts[self.topo.dp_rank::self.topo.dp_size]
+        groups = self.rollout.generate([p.token_ids for p in shard], n=1, seed=0, greedy=True)
+        self.rollout.sleep()
+        texts = self.tokenizer.batch_decode([grp[0].token_ids for grp in groups], skip_special_tokens=True)
+        total, per_function = self._rewards(shard, texts)
+        sums = torch.cat([total.sum().reshape(1), per_function.sum(0),
+                          torch.tensor([float(len(shard))])]).double()
+        sums = all_reduce(sums)
+        count = float(sums[-1])
+        out = {"reward": float(sums[0]) / count}
+        for i, rf in enumerate(self.reward_functions):
+            out[f"rewards/{rf.name}"] = float(sums[1 + i]) / count
+        return out
+
+    def maybe_resume(self) -> None:
+        resume = self.cfg.checkpoint.resume
+        if resume == "none":
+            return
+        path = checkpoint.find_resume_checkpoint(self.ckpt_root, self.log) if resume == "auto" else resume
+        if path is None:
+            return
+        state = checkpoint.load(self.policy, path, self.topo.rank)
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.log(f"resumed from {path} at step {self.step}")
+
+    def save(self) -> None:
+        state = {"step": self.step, "sampler": self.sampler.state_dict(),
+                 "world_size": self.topo.world_size, "total_steps": self.total_steps}
+        path = checkpoint.save(self.policy, self.ckpt_root, self.step, state,
+                               self.cfg.checkpoint.keep_last, self.topo.is_main, self.topo.rank)
+        self.log(f"checkpoint saved: {path}")
+
+
+def _format_eval(results: dict) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in results.items())
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="megagrpo train",
+        description="GRPO training. Settings come from --config and key.sub=value overrides "
+                    "(e.g. grpo.kl_coef=0.1 num_generations=8 use_vllm=false).")
+    p.add_argument("--config", help="experiment YAML (see configs/)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--timeout-minutes", type=float, default=30.0,
+                   help="process-group timeout for collectives (default 30)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value settings applied after the YAML")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, DataError) as e:
+        print(f"megagrpo: config error: {e}", file=sys.stderr)
+        return 2
+    topology = init_distributed(args.timeout_minutes)
+    try:
+        Trainer(cfg, topology).train()
+    except (DataError, RewardError, ConfigError) as e:
+        print(f"megagrpo: error on rank {topology.rank}: {e}", file=sys.stderr, flush=True)
+        os._exit(1)  # other ranks may be waiting in a collective; do not hang in teardown
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Build a tiny Qwen2-architecture model and a byte-level BPE tokenizer, locally, no downloads.
+
+    python tools/make_tiny_model.py --out runs/tiny/model --corpus runs/tiny/data/sft.jsonl
+
+The tokenizer is trained on the string fields of the corpus JSONL files (plus printable ASCII,
+so that any text encodes) and carries a ChatML chat template; <|im_end|> is the EOS token.
+The model is randomly initialised with transformers' own init (std 0.02) and saved as
+safetensors; head_dim is 64 (vLLM's CPU attention refuses smaller heads).
+"""
+import argparse
+import json
+import os
+import string
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def corpus_texts(paths: list[str]):
+    yield string.printable
+    for role in ("system", "user", "assistant"):
+        yield f"{role}\n"
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                for value in row.values():
+                    if isinstance(value, str):
+                        yield value
+
+
+def build_tokenizer(paths: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus_texts(paths), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", bos_token=None,
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="output model folder")
+    p.add_argument("--corpus", nargs="*", default=[], help="JSONL files to train the tokenizer on")
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2, help="attention heads (head_dim = hidden/heads)")
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=384)
+    p.add_argument("--max-positions", type=int, default=1024)
+    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    tokenizer = build_tokenizer(args.corpus, args.vocab_size)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate_size, max_position_embeddings=args.max_positions,
+        tie_word_embeddings=args.tie_embeddings, eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, torch_dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    os.makedirs(args.out, exist_ok=True)
+    model.save_pretrained(args.out, safe_serialization=True)
+    tokenizer.save_pretrained(args.out)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"tiny Qwen2: {n / 1e6:.2f}M parameters, vocab {len(tokenizer)}, "
+          f"head_dim {args.hidden_size // args.heads} -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
