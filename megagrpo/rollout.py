@@ -81,8 +81,8 @@ class VLLMEngine:
         return [logprobs[i][token_ids[i]].logprob for i in range(prompt_len, len(token_ids))]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.llm.collective_rpc("reload_weights",
-                                kwargs={"weights_iterator": iter(named_tensors)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        self.llm.collective_rpc(_refresh_tied_lm_head)
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
@@ -96,6 +96,16 @@ class VLLMEngine:
         if self.sleeping:
             self.llm.wake_up()
             self.sleeping = False
+
+
+def _refresh_tied_lm_head(worker) -> None:
+    """With tied embeddings the checkpoint has no lm_head weight, so vLLM's in-place reload
+    puts the head's old kernel-format copy back (on CPU a prepacked GEMM weight; vllm 0.32).
+    Re-derive it from the freshly loaded, shared embedding."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
 
 
 class HFEngine:
