@@ -26,8 +26,10 @@ class Prompt:
 _LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def _check_jsonl(path: str) -> None:
-    """datasets' JSON errors name neither line nor cause: check each line first."""
+def _check_jsonl(path: str) -> list[int]:
+    """datasets' JSON errors name neither line nor cause: check each line first. Returns the
+    line number of each row."""
+    numbers = []
     with open(path) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -39,22 +41,27 @@ def _check_jsonl(path: str) -> None:
                                 "each line must be one JSON object") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+            numbers.append(number)
+    return numbers
 
 
-def load_rows(path: str, split: str = "train") -> list[dict]:
-    """Local JSONL/JSON/Parquet/CSV file, or a hub dataset name."""
+def load_rows(path: str, split: str = "train") -> tuple[list[dict], list[str]]:
+    """Local JSONL/JSON/Parquet/CSV file, or a hub dataset name. Returns the rows and, for
+    each, where it came from ("file:line" for JSONL, "file: row N" otherwise)."""
     import datasets
 
     ext = os.path.splitext(path)[1].lower()
     if os.path.isfile(path):
         if ext not in _LOADERS:
             raise DataError(f"{path}: unknown data format '{ext}'; use .jsonl, .json, .parquet or .csv")
-        if ext == ".jsonl":
-            _check_jsonl(path)
+        lines = _check_jsonl(path) if ext == ".jsonl" else None
         ds = datasets.load_dataset(_LOADERS[ext], data_files=path, split="train")
     else:
-        ds = datasets.load_dataset(path, split=split)
-    return [dict(row) for row in ds]
+        lines, ds = None, datasets.load_dataset(path, split=split)
+    # datasets unifies the schema: a field missing from a row comes back as None
+    rows = [{k: v for k, v in row.items() if v is not None} for row in ds]
+    where = [f"{path}:{n}" for n in lines] if lines else [f"{path}: row {i + 1}" for i in range(len(rows))]
+    return rows, where
 
 
 def _row_messages(row: dict, where: str, prompt_field: str, system_prompt) -> tuple[object, list]:
@@ -76,13 +83,11 @@ def _row_messages(row: dict, where: str, prompt_field: str, system_prompt) -> tu
 def load_prompts(path: str, tokenizer, max_prompt_length: int, prompt_field: str = "prompt",
                  system_prompt=None, split: str = "train") -> tuple[list[Prompt], int]:
     """Render and tokenize every row; returns (prompts, number dropped as too long)."""
-    rows = load_rows(path, split)
+    rows, places = load_rows(path, split)
     if not rows:
         raise DataError(f"{path}: no rows")
-    line_word = "line" if path.endswith(".jsonl") else "row"
     prompts, dropped = [], 0
-    for index, row in enumerate(rows):
-        where = f"{path}:{line_word} {index + 1}"
+    for row, where in zip(rows, places):
         prompt, messages = _row_messages(row, where, prompt_field, system_prompt)
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -155,6 +155,13 @@ class HFEngine:
         return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 
     @torch.no_grad()
+    def score(self, token_ids: list[int], prompt_len: int) -> list[float]:
+        """Logprobs of token_ids[prompt_len:] given what precedes them."""
+        ids = torch.tensor([token_ids], device=self.device)
+        logp = self.model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+        return logp[torch.arange(len(token_ids) - 1), ids[0, 1:]][prompt_len - 1:].tolist()
+
+    @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters())
         for name, tensor in named_tensors:

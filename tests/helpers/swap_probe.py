@@ -1,0 +1,47 @@
+"""Probe for test_swap.py: one training step, then the rollout engine's logprobs of a fixed
+completion next to the trainer's, before and after. Writes swap_rank<r>.json to output_dir.
+
+    deepspeed --num_gpus 2 tests/helpers/swap_probe.py --config X.yaml key=value ...
+"""
+import json
+import os
+import sys
+
+import torch
+
+from megagrpo.batch import make_batch, token_logprobs
+from megagrpo.config import load_config
+from megagrpo.rollout import Completion
+from megagrpo.train import Trainer, init_distributed, parse_args
+
+
+def main():
+    args = parse_args(sys.argv[1:])
+    cfg = load_config(args.config, args.overrides)
+    topology = init_distributed()
+    trainer = Trainer(cfg, topology)
+    prompt = trainer.prompts[0].token_ids
+    completion = trainer.tokenizer("3 + 4 = 7. Answer: 7", add_special_tokens=False)["input_ids"]
+    completion.append(trainer.tokenizer.eos_token_id)
+    batch = make_batch([prompt], [Completion(completion, [0.0] * len(completion), False)],
+                       torch.zeros(1), trainer.tokenizer.pad_token_id)
+
+    def trainer_logprobs():
+        trainer.policy.eval()
+        with torch.no_grad():
+            return token_logprobs(trainer.policy, batch, 1.0)[0][0].tolist()
+
+    from megagrpo.weight_sync import sync_weights
+    sync_weights(trainer.policy.module, trainer.rollout)
+    result = {"engine_before": trainer.rollout.score(prompt + completion, len(prompt)),
+              "trainer_before": trainer_logprobs()}
+    metrics = trainer.train_step()
+    result.update(engine_after=trainer.rollout.score(prompt + completion, len(prompt)),
+                  trainer_after=trainer_logprobs(), grad_norm=metrics["grad_norm"])
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    with open(os.path.join(cfg.output_dir, f"swap_rank{topology.rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Config: YAML + overrides, aliases, and the start-up errors (key, value, fix)."""
+import subprocess
+import sys
+
+import pytest
+
+from megagrpo.config import ConfigError, load_config
+from conftest import ROOT, run, tiny_overrides
+
+
+def test_seed_names_and_overrides(tiny, tmp_path):
+    cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
+        "num_generations=4", "kl_coef=0.3", "use_vllm=false", "grpo.learning_rate=3e-4",
+        "report_to=none", "rollout.stop=['###']"])
+    assert cfg.grpo.num_generations == 4 and cfg.grpo.kl_coef == 0.3
+    assert cfg.rollout.engine == "hf" and cfg.logging.report_to == "none"
+    assert cfg.grpo.learning_rate == 3e-4 and cfg.rollout.stop == ["###"]
+
+
+def test_unknown_key_suggests(tiny, tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'grpo.num_generation' \(did you mean 'num_generations'\?\)"):
+        load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + ["grpo.num_generation=4"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'rolout' \(did you mean 'rollout'\?\)"):
+        load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + ["rolout.temperature=1"])
+
+
+def test_batch_not_divisible_by_num_generations(tiny, tmp_path):
+    with pytest.raises(ConfigError, match=r"= 12 completions per rank per step is not divisible by "
+                                          r"grpo.num_generations = 8.*use a multiple of 8"):
+        load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
+            "grpo.per_device_train_batch_size=12"])
+
+
+def test_types_and_ranges(tiny, tmp_path):
+    base = tiny_overrides(tiny, tmp_path)
+    with pytest.raises(ConfigError, match=r"grpo.kl_coef: expected a number, got 'abc'"):
+        load_config("configs/tiny_arith.yaml", base + ["grpo.kl_coef=abc"])
+    with pytest.raises(ConfigError, match=r"grpo.loss_type: 'dapoo' is not one of .*did you mean 'dapo'"):
+        load_config("configs/tiny_arith.yaml", base + ["grpo.loss_type=dapoo"])
+    with pytest.raises(ConfigError, match=r"grpo.num_generations: 1 is below the minimum 2"):
+        load_config("configs/tiny_arith.yaml", base + ["grpo.num_generations=1", "grpo.per_device_train_batch_size=1"])
+    with pytest.raises(ConfigError, match=r"rollout.temperature: 0.0 must be > 0"):
+        load_config("configs/tiny_arith.yaml", base + ["rollout.temperature=0"])
+
+
+def test_missing_files(tiny, tmp_path):
+    base = tiny_overrides(tiny, tmp_path)
+    with pytest.raises(ConfigError, match=r"model.name_or_path: '/nonexistent/model' has no config.json"):
+        load_config("configs/tiny_arith.yaml", base + ["model.name_or_path=/nonexistent/model"])
+    with pytest.raises(ConfigError, match=r"data.train_file: file '/nope.jsonl' does not exist"):
+        load_config("configs/tiny_arith.yaml", base + ["data.train_file=/nope.jsonl"])
+    with pytest.raises(ConfigError, match=r"deepspeed: file 'configs/none.json' does not exist"):
+        load_config("configs/tiny_arith.yaml", base + ["deepspeed=configs/none.json"])
+    with pytest.raises(ConfigError, match=r"config file 'nope.yaml' does not exist"):
+        load_config("nope.yaml", [])
+
+
+def test_cli_reports_config_error_before_building_anything(tiny, tmp_path):
+    """Through the real entry point: exit code 2, the message, and no output folder made."""
+    out = tmp_path / "never"
+    proc = run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+                *tiny_overrides(tiny, out), "model.name_or_path=/missing/model"], check=False)
+    assert proc.returncode == 2
+    assert "config error: model.name_or_path: '/missing/model' has no config.json" in proc.stderr
+    assert not out.exists()
+
+
+def test_every_shipped_config_validates(tiny, tmp_path):
+    import glob
+    for path in glob.glob(f"{ROOT}/configs/*.yaml"):
+        cfg = load_config(path, tiny_overrides(tiny, tmp_path))
+        assert cfg.grpo.num_generations >= 2
