@@ -1,0 +1,18 @@
+"""Learning: the quickstart (tiny model, 2 CPU ranks, ZeRO-3, vLLM) raises held-out accuracy
+by at least 20 points. Runs launch/quickstart.sh itself, as a user would."""
+import json
+import re
+
+from conftest import free_port, run
+
+
+def test_quickstart_learns(tmp_path):
+    proc = run(["bash", "launch/quickstart.sh"], timeout=1500,
+               env={"RUN_DIR": str(tmp_path / "tiny"), "MASTER_PORT": str(free_port())})
+    results = json.load(open(tmp_path / "tiny" / "grpo" / "eval_results.json"))
+    before = results["before"]["rewards/answer_match"]
+    after = results["after"]["rewards/answer_match"]
+    assert after - before >= 0.20, results
+    line = re.search(r"held-out accuracy: ([\d.]+)% before GRPO -> ([\d.]+)% after", proc.stdout)
+    assert line and float(line.group(1)) == round(100 * before, 1)
+    assert f"tensorboard --logdir {tmp_path / 'tiny'}/grpo/tensorboard" in proc.stdout
