@@ -61,17 +61,24 @@ class GRPOConfig:
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step. Completions per rank per step = this x the above."""
     learning_rate: float = 1e-6
+    """Peak AdamW learning rate."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     adam_beta1: float = 0.9
+    """AdamW beta1."""
     adam_beta2: float = 0.99
+    """AdamW beta2."""
     lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    """After warmup: constant, or cosine decay to 0 at the last step."""
     warmup_steps: int = 0
     """Linear warmup steps before the schedule."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0 disables)."""
     num_train_epochs: float = 1.0
+    """Passes over the prompts (used when max_steps is -1)."""
     max_steps: int = -1
-    """Optimizer steps to run; -1 derives it from num_train_epochs."""
+    """Training steps (one generation batch each, with num_iterations optimizer steps);
+    -1 derives it from num_train_epochs."""
     kl_coef: float = 0.04
     """KL(k3) coefficient to the frozen reference model; 0 builds no reference model."""
     epsilon: float = 0.2
@@ -92,6 +99,7 @@ class GRPOConfig:
     importance_sampling_cap: float = 2.0
     """Cap C of the truncated importance weight min(pi_trainer / pi_sampler, C)."""
     seed: int = 42
+    """Seed of the prompt order and of the rollout sampling schedule."""
 
 
 @dataclass
@@ -99,8 +107,11 @@ class RolloutConfig:
     engine: Literal["vllm", "hf"] = "vllm"
     """vllm: a vLLM engine inside each training process; hf: transformers generate."""
     max_new_tokens: int = 256
+    """Longest completion (TRL: max_completion_length)."""
     temperature: float = 1.0
+    """Sampling temperature; the trainer computes logprobs at the same temperature."""
     top_p: float = 1.0
+    """Nucleus sampling threshold."""
     top_k: int = -1
     """-1 disables top-k."""
     stop: list = field(default_factory=list)
@@ -122,6 +133,7 @@ class RewardFunctionConfig:
     name: str = ""
     """Built-in name (answer_match, format, length_penalty) or dotted path module:function."""
     weight: float = 1.0
+    """Weight of this function in the summed reward."""
     args: dict = field(default_factory=dict)
     """Keyword arguments given to the function on every call."""
 
@@ -147,12 +159,15 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     logging_steps: int = 1
+    """Write the training metrics every N steps."""
     report_to: Literal["tensorboard", "none"] = "tensorboard"
+    """tensorboard: event files under output_dir/tensorboard; none: no logging."""
     sample_steps: int = 10
     """Log sample prompts and completions as text every N steps (0: never)."""
     eval_steps: int = 0
     """Held-out accuracy every N steps (0: only before and after training)."""
     progress_bar: bool = True
+    """A progress bar on rank 0 with step, reward and step time."""
 
 
 @dataclass
@@ -168,6 +183,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     output_dir: str = "runs/megagrpo"
+    """Where TensorBoard logs, checkpoints, eval results and the final HF model go."""
 
 
 # The seed's (TRL's) flat names and where they live.
