@@ -1,4 +1,4 @@
-"""Rollout batches: prompts and their completions as padded tensors, and per-token log-probs.
+"""Rollout batches: prompts and their completions as padded tensors, and micro-batches of them.
 
 Layout: prompts left-padded to P, completions right-padded to C, so that position P-1+t of the
 logits predicts completion token t. Position ids count real tokens only, as the sampler does.
@@ -23,6 +23,8 @@ class RolloutBatch:
     sampler_logp: torch.Tensor      # (B, C) the rollout engine's logprobs
     truncated: torch.Tensor         # (B,) bool
     advantages: torch.Tensor        # (B,)
+    prompt_lens: torch.Tensor       # (B,) real prompt tokens per row
+    completion_lens: torch.Tensor   # (B,) real completion tokens per row
     prompt_width: int
     ref_logp: Optional[torch.Tensor] = None   # (B, C)
     old_logp: Optional[torch.Tensor] = None   # (B, C)
@@ -30,12 +32,35 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def slice(self, start: int, end: int) -> "RolloutBatch":
-        """Rows start:end (a micro-batch)."""
-        return RolloutBatch(**{
-            f.name: (getattr(self, f.name)[start:end]
-                     if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name))
-            for f in fields(self)})
+    def select(self, rows: list[int]) -> "RolloutBatch":
+        """A micro-batch of these rows, with the padding columns none of them needs removed."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        P = int(self.prompt_lens[index].max())
+        C = max(1, int(self.completion_lens[index].max()))
+        columns = {"input_ids": slice(self.prompt_width - P, self.prompt_width + C),
+                   "attention_mask": slice(self.prompt_width - P, self.prompt_width + C),
+                   "position_ids": slice(self.prompt_width - P, self.prompt_width + C)}
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                value = value[index]
+                if value.dim() == 2:
+                    value = value[:, columns.get(f.name, slice(0, C))]
+            values[f.name] = value
+        values["prompt_width"] = P
+        return RolloutBatch(**values)
+
+    def sequences(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Each row's prompt and completion token ids, without padding."""
+        P = self.prompt_width
+        prompts = [self.input_ids[i, P - int(n):P].tolist() for i, n in enumerate(self.prompt_lens)]
+        completions = [self.completion_ids[i, :int(n)].tolist() for i, n in enumerate(self.completion_lens)]
+        return prompts, completions
+
+    def token_counts(self) -> list[int]:
+        """Prompt + completion tokens per row (what a packed micro-batch holds)."""
+        return (self.prompt_lens + self.completion_lens).tolist()
 
     def to(self, device) -> "RolloutBatch":
         return RolloutBatch(**{
@@ -67,21 +92,6 @@ def make_batch(prompt_ids: list[list[int]], completions: list[Completion],
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         completion_ids=input_ids[:, P:].clone(), completion_mask=completion_mask,
         sampler_logp=sampler_logp, truncated=torch.tensor([c.truncated for c in completions]),
-        advantages=advantages.float(), prompt_width=P)
-
-
-def token_logprobs(model, batch: RolloutBatch, temperature: float,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Per completion token log pi(token | prefix) (B, C), computed on logits / temperature, in
-    float32; and the per-token entropy (no gradient) when asked."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=batch.position_ids, use_cache=False).logits
-    P = batch.prompt_width
-    logits = logits[:, P - 1:-1, :].float() / temperature
-    logp_all = logits.log_softmax(dim=-1)
-    logp = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
-    return logp, entropy
+        advantages=advantages.float(), prompt_width=P,
+        prompt_lens=torch.tensor([len(p) for p in prompt_ids]),
+        completion_lens=torch.tensor([len(c.token_ids) for c in completions]))

@@ -98,6 +98,18 @@ class GRPOConfig:
     """Truncated importance sampling between the sampler's and the trainer's logprobs."""
     importance_sampling_cap: float = 2.0
     """Cap C of the truncated importance weight min(pi_trainer / pi_sampler, C)."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget (prompt + completion) of a training micro-batch; sequences are spread
+    over the fewest micro-batches that fit, balanced. 0: fixed micro-batches of
+    per_device_train_batch_size sequences."""
+    packing: bool = True
+    """Pack a micro-batch's sequences into one row without padding (flash-attn varlen on GPU,
+    block-diagonal SDPA on CPU); false: padded rows (the reference path)."""
+    fused_logprobs: bool = True
+    """Compute log-probs and entropy from hidden states in chunks, never all N x V logits;
+    false: full logits (the reference path)."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk of the fused log-prob pass."""
     seed: int = 42
     """Seed of the prompt order and of the rollout sampling schedule."""
 
@@ -342,7 +354,7 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
             for i, fn in enumerate(rewards["functions"])
         ]
     cfg = _build(Config, raw, "")
-    validate(cfg, base_dir=os.path.dirname(path) if path else ".")
+    validate(cfg)
     return cfg
 
 
@@ -351,8 +363,8 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: Config, base_dir: str = ".", world_size: Optional[int] = None) -> None:
-    """Ranges, divisibility and files. world_size (defaults to $WORLD_SIZE) checks the batch."""
+def validate(cfg: Config) -> None:
+    """Ranges, divisibility and files; relative paths are taken from the working directory."""
     g = cfg.grpo
     _require(bool(cfg.model.name_or_path),
              "model.name_or_path is empty: set it to an HF model folder, e.g. "
@@ -373,6 +385,8 @@ def validate(cfg: Config, base_dir: str = ".", world_size: Optional[int] = None)
                            ("grpo.num_iterations", g.num_iterations, 1),
                            ("rollout.max_new_tokens", cfg.rollout.max_new_tokens, 1),
                            ("data.max_prompt_length", cfg.data.max_prompt_length, 1),
+                           ("grpo.max_tokens_per_microbatch", g.max_tokens_per_microbatch, 0),
+                           ("grpo.logprob_chunk_size", g.logprob_chunk_size, 1),
                            ("logging.logging_steps", cfg.logging.logging_steps, 1),
                            ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1)]:
         _require(value >= lo, f"{key}: {value} is below the minimum {lo}")
@@ -395,8 +409,6 @@ def validate(cfg: Config, base_dir: str = ".", world_size: Optional[int] = None)
              f"completions per rank per step is not divisible by grpo.num_generations = "
              f"{g.num_generations}: whole groups must stay on one rank; use a multiple of "
              f"{g.num_generations}")
-    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    _require(world >= 1, f"WORLD_SIZE={world} must be >= 1")
     _require(len(cfg.rewards.functions) > 0,
              "rewards.functions is empty: add at least one, e.g. "
              "[{name: answer_match, weight: 1.0}]")
@@ -421,7 +433,9 @@ def validate(cfg: Config, base_dir: str = ".", world_size: Optional[int] = None)
 
 def _looks_local(path: str) -> bool:
     """Hub names look like `org/name`; anything else that names a file system path is local."""
-    return os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") != 1
+    data_file = path.lower().endswith((".jsonl", ".json", ".parquet", ".csv"))
+    return (os.path.exists(path) or data_file or path.startswith((".", "/", "~"))
+            or path.count("/") != 1)
 
 
 def to_dict(cfg: Config) -> dict:

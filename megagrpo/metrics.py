@@ -54,6 +54,11 @@ class StepStats:
 
     def __init__(self):
         self.sums, self.maxes, self.mins = {}, {}, {}
+        self.loss = 0.0
+
+    def add_loss(self, share: float) -> None:
+        """A micro-batch's share of the step loss (shares of one pass sum to its loss)."""
+        self.loss += share
 
     def add_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
         total, count = self.sums.get(name, (0.0, 0.0))

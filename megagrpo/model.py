@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
 from .config import Config
+from .logprobs import install_logprob_head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -72,6 +73,7 @@ def _load(cfg: Config, ds_config: dict):
     dschf = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None  # noqa: F841
     model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path,
                                                  dtype=DTYPES[cfg.model.dtype])
+    install_logprob_head(model, cfg.grpo.logprob_chunk_size)
     return model
 
 
@@ -96,8 +98,9 @@ def build_reference(cfg: Config, ds_config: dict):
     """The frozen reference: a ZeRO-3 inference engine (no optimizer state) when the policy
     uses ZeRO-3, optionally with parameters offloaded to CPU; else a plain eval module."""
     if zero_stage(ds_config) != 3:
+        from deepspeed.accelerator import get_accelerator
         model = _load(cfg, ds_config).eval().requires_grad_(False)
-        return model
+        return model.to(get_accelerator().current_device_name())
     ref_config = {k: ds_config[k] for k in ("train_micro_batch_size_per_gpu", "train_batch_size",
                                             "gradient_accumulation_steps", "bf16", "steps_per_print")}
     ref_config["zero_optimization"] = {"stage": 3}

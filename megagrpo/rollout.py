@@ -59,6 +59,7 @@ class VLLMEngine:
                  greedy: bool = False) -> list[list[Completion]]:
         from vllm import SamplingParams
 
+        self.wake_up()
         r = self.cfg
         params = [SamplingParams(
             n=n, temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,

@@ -20,10 +20,12 @@ import time
 import torch
 
 from . import checkpoint, grpo
-from .batch import RolloutBatch, make_batch, token_logprobs
+from .batch import RolloutBatch, make_batch
+from .logprobs import completion_logprobs
 from .config import Config, ConfigError, load_config
 from .data import DataError, Prompt, PromptSampler, load_prompts
 from .metrics import MetricsLogger, StepStats, all_gather_1d, all_reduce, progress_bar
+from .packing import balanced_microbatches
 from .model import build_policy, build_reference, deepspeed_config, load_tokenizer
 from .rewards import RewardError, build_reward_functions, compute_rewards
 from .rollout import build_rollout_engine
@@ -154,15 +156,16 @@ class Trainer:
         if g.mask_truncated_completions:
             batch.completion_mask = batch.completion_mask * (~batch.truncated).unsqueeze(1).float()
 
-        # reference and old-policy logprobs
+        # reference and old-policy logprobs, over the same micro-batches as the update
+        micro_batches = self._micro_batches(batch)
         with torch.no_grad():
             if self.reference is not None:
-                batch.ref_logp = self._logprobs_in_microbatches(self.reference, batch)
+                batch.ref_logp = self._logprobs_without_grad(self.reference, batch, micro_batches)
             if g.num_iterations > 1:
-                batch.old_logp = self._logprobs_in_microbatches(self.policy, batch)
+                batch.old_logp = self._logprobs_without_grad(self.policy, batch, micro_batches)
         timings["reference"], clock = time.perf_counter() - clock, time.perf_counter()
 
-        stats = self.optimize(batch)
+        stats = self.optimize(batch, micro_batches)
         timings["train"], clock = time.perf_counter() - clock, time.perf_counter()
 
         timings["weight_sync"] = sync_weights(self.policy.module, self.rollout, cfg.rollout.sync_bucket_mb)
@@ -171,19 +174,20 @@ class Trainer:
         return self._step_metrics(global_rewards, per_function, advantages, completions, batch,
                                   stats, timings)
 
-    def optimize(self, batch: RolloutBatch) -> StepStats:
+    def optimize(self, batch: RolloutBatch, micro_batches: list[list[int]]) -> StepStats:
         """mu passes over the batch in micro-batches; one optimizer step per pass."""
         g = self.cfg.grpo
         stats = StepStats()
-        micro = g.per_device_train_batch_size
         normalisers = self._loss_normalisers(batch)
         epsilon_high = g.epsilon_high if g.epsilon_high is not None else g.epsilon
         self.policy.train()
         for _ in range(g.num_iterations):
-            for start in range(0, len(batch), micro):
-                mb = batch.slice(start, start + micro)
-                logp, entropy = token_logprobs(self.policy, mb, self.cfg.rollout.temperature,
-                                               with_entropy=True)
+            for i, rows in enumerate(micro_batches):
+                self.policy.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+                # a rank with fewer sequences than micro-batches still runs the forward
+                # (ZeRO-3 gathers are collective) and contributes zero
+                mb, share = (batch.select(rows), 1.0) if rows else (batch.select([0]), 0.0)
+                logp, entropy = self._logprobs(self.policy, mb)
                 old_logp = mb.old_logp if mb.old_logp is not None else logp.detach()
                 is_weights = None
                 if g.importance_sampling_correction:
@@ -191,10 +195,11 @@ class Trainer:
                         old_logp, mb.sampler_logp, g.importance_sampling_cap)
                 token = grpo.per_token_loss(logp, old_logp, mb.advantages, g.epsilon, epsilon_high,
                                             g.kl_coef, mb.ref_logp, is_weights)
-                loss = grpo.aggregate(token.loss, mb.completion_mask, g.loss_type, **normalisers)
+                loss = grpo.aggregate(token.loss, mb.completion_mask, g.loss_type, **normalisers) * share
                 self.policy.backward(loss, scale_wrt_gas=False)
-                self.policy.step()
-                self._record(stats, mb, loss, token, entropy, old_logp, is_weights)
+                if rows:
+                    self._record(stats, mb, loss, token, entropy, old_logp, is_weights)
+            self.policy.step()
         return stats
 
     # ---- pieces -------------------------------------------------------------------------------
@@ -216,18 +221,35 @@ class Trainer:
         return {"num_sequences": len(batch), "num_tokens": tokens,
                 "max_completion_length": self.cfg.rollout.max_new_tokens}
 
-    def _logprobs_in_microbatches(self, model, batch: RolloutBatch) -> torch.Tensor:
-        micro = self.cfg.grpo.per_device_train_batch_size
+    def _micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
+        """Row indices per micro-batch: within the token budget and balanced, or fixed-size.
+        Every rank gets the same number of micro-batches."""
+        g = self.cfg.grpo
+        if not g.max_tokens_per_microbatch:
+            size = g.per_device_train_batch_size
+            return [list(range(s, min(s + size, len(batch)))) for s in range(0, len(batch), size)]
+        lengths = batch.token_counts()
+        local = balanced_microbatches(lengths, g.max_tokens_per_microbatch)
+        count = int(all_reduce(torch.tensor([len(local)]), "max")[0])
+        return balanced_microbatches(lengths, g.max_tokens_per_microbatch, min_count=count)
+
+    def _logprobs(self, model, mb: RolloutBatch):
+        g = self.cfg.grpo
+        return completion_logprobs(model, mb, self.cfg.rollout.temperature, g.packing, g.fused_logprobs)
+
+    def _logprobs_without_grad(self, model, batch: RolloutBatch, micro_batches) -> torch.Tensor:
         model.eval()
-        parts = [token_logprobs(model, batch.slice(s, s + micro), self.cfg.rollout.temperature)[0]
-                 for s in range(0, len(batch), micro)]
-        return torch.cat(parts)
+        out = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
+        for rows in micro_batches:
+            mb = batch.select(rows or [0])
+            logp = self._logprobs(model, mb)[0]
+            if rows:
+                out[torch.tensor(rows)[:, None], torch.arange(logp.shape[1])[None, :]] = logp
+        return out
 
     def _record(self, stats, mb, loss, token, entropy, old_logp, is_weights) -> None:
         mask = mb.completion_mask
-        # each micro-batch's loss is its share of the step's loss: scale so the mean is the step's
-        micro_batches = self.cfg.grpo.gradient_accumulation_steps
-        stats.add_mean("loss", loss.detach().reshape(1) * micro_batches, torch.ones(1, device=loss.device))
+        stats.add_loss(float(loss))
         stats.add_mean("entropy", entropy, mask)
         if token.kl is not None:
             stats.add_mean("kl", token.kl.detach(), mask)
@@ -245,6 +267,8 @@ class Trainer:
                       stats: StepStats, timings: dict) -> dict:
         g = self.cfg.grpo
         out = stats.reduce()
+        # DeepSpeed averages gradients over dp ranks: the step's loss is the mean of the ranks'
+        out["loss"] = float(all_reduce(torch.tensor([stats.loss]))[0]) / self.topo.dp_size / g.num_iterations
         out.pop("sampling/sampling_logp_difference/min", None)
         grouped = global_rewards.view(-1, g.num_generations)
         out.update({

@@ -9,7 +9,8 @@ import sys
 
 import torch
 
-from megagrpo.batch import make_batch, token_logprobs
+from megagrpo.batch import make_batch
+from megagrpo.logprobs import completion_logprobs
 from megagrpo.config import load_config
 from megagrpo.rollout import Completion
 from megagrpo.train import Trainer, init_distributed, parse_args
@@ -29,7 +30,7 @@ def main():
     def trainer_logprobs():
         trainer.policy.eval()
         with torch.no_grad():
-            return token_logprobs(trainer.policy, batch, 1.0)[0][0].tolist()
+            return completion_logprobs(trainer.policy, batch, 1.0)[0][0].tolist()
 
     from megagrpo.weight_sync import sync_weights
     sync_weights(trainer.policy.module, trainer.rollout)

@@ -1,0 +1,104 @@
+"""Per-token log-probs (and entropy) straight from the last hidden states, in chunks of tokens.
+
+The naive path (batch.token_logprobs) materialises all N x V logits, their log_softmax and, in
+backward, their gradient: for N=8192 tokens and a 152k vocabulary that is ~5 GB per copy in
+float32. Here the logits of at most `chunk_size` tokens exist at a time:
+
+    forward:   z = hidden_c @ weight.T / T     lse_c = logsumexp(z)     logp_c = z[target] - lse_c
+    backward:  recompute z,  dz = g_c * (onehot(target) - softmax(z)) / T
+               grad_hidden_c = dz @ weight     grad_weight += dz.T @ hidden_c
+
+Only hidden, weight, targets and lse (N floats) are kept for backward. The matmuls run in the
+inputs' dtype (as the model's lm_head would); softmax, logsumexp and the sum of grad_weight over
+chunks run in float32 (float64 for float64 inputs).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(n, H) x (V, H) -> (n, V) logits / temperature, in at least float32."""
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    return (hidden @ weight.T).to(acc).div_(temperature)
+
+
+class _FusedLogprobs(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
+        N = hidden.shape[0]
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        logp = torch.empty(N, dtype=acc, device=hidden.device)
+        lse = torch.empty(N, dtype=acc, device=hidden.device)
+        entropy = torch.empty(N if with_entropy else 0, dtype=acc, device=hidden.device)
+        for s in range(0, N, chunk_size):
+            e = min(s + chunk_size, N)
+            logits = _chunk_logits(hidden[s:e], weight, temperature)
+            lse[s:e] = logits.logsumexp(dim=-1)
+            logp[s:e] = logits.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
+            if with_entropy:
+                logits.sub_(lse[s:e, None])  # now log-probs
+                entropy[s:e] = -logits.exp().mul_(logits).sum(dim=-1)
+            del logits  # before the next chunk's logits exist
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        N, T = hidden.shape[0], ctx.temperature
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+                       if need_weight else None)
+        for s in range(0, N, ctx.chunk_size):
+            e = min(s + ctx.chunk_size, N)
+            scale = (grad_logp[s:e] / T).to(lse.dtype)[:, None]   # (n, 1)
+            # dz = scale * (onehot - softmax), built in place in the recomputed logits
+            dz = _chunk_logits(hidden[s:e], weight, T).sub_(lse[s:e, None]).exp_().mul_(-scale)
+            dz.scatter_add_(1, targets[s:e, None], scale)
+            dz = dz.to(hidden.dtype)
+            if need_hidden:
+                grad_hidden[s:e] = dz @ weight
+            if need_weight:
+                if grad_weight.dtype == dz.dtype:
+                    grad_weight.addmm_(dz.T, hidden[s:e])
+                else:  # low-precision weight: product in its dtype, sum over chunks in float32
+                    grad_weight += dz.T @ hidden[s:e]
+            del dz
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         temperature: float = 1.0, chunk_size: int = 1024,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log softmax(hidden @ weight.T / temperature)[target] per token, and the entropy (no
+    gradient) when asked. hidden (..., H), weight (V, H), targets (...) -> float32 (...), with at
+    most chunk_size x V logits alive at a time in forward and backward."""
+    shape = targets.shape
+    logp, entropy = _FusedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                         targets.reshape(-1), temperature, chunk_size, with_entropy)
+    return logp.view(shape), (entropy.view(shape) if with_entropy else None)
+
+
+def naive_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         temperature: float = 1.0,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Reference: the same quantities through the full (..., V) logits, as batch.token_logprobs."""
+    logits = _chunk_logits(hidden, weight, temperature)
+    logp_all = logits.log_softmax(dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+    return logp, entropy
