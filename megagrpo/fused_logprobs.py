@@ -1,6 +1,6 @@
 """Per-token log-probs (and entropy) straight from the last hidden states, in chunks of tokens.
 
-The naive path (batch.token_logprobs) materialises all N x V logits, their log_softmax and, in
+The naive path materialises all N x V logits, their log_softmax and, in
 backward, their gradient: for N=8192 tokens and a 152k vocabulary that is ~5 GB per copy in
 float32. Here the logits of at most `chunk_size` tokens exist at a time:
 
@@ -93,7 +93,7 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 def naive_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          temperature: float = 1.0,
                          with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Reference: the same quantities through the full (..., V) logits, as batch.token_logprobs."""
+    """Reference: the same quantities through the full (..., V) logits."""
     logits = _chunk_logits(hidden, weight, temperature)
     logp_all = logits.log_softmax(dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -8,8 +8,8 @@ Two switches, both on by default; off gives the reference path:
            off: full logits, log_softmax, gather.
 
 The fused pass lives inside the LM head module (`LogprobHead`), so DeepSpeed ZeRO-3 gathers
-its weight for forward and backward exactly as it does for any other layer, and transformers
-only computes the head at the positions that predict completion tokens (`logits_to_keep`).
+its weight for forward and backward exactly as it does for any other layer; the head reads
+only the positions that predict completion tokens.
 """
 from __future__ import annotations
 
@@ -24,25 +24,24 @@ from .packing import pack
 
 class LogprobHead(torch.nn.Module):
     """Drop-in for a causal LM's `lm_head` (same weight Parameter, same state-dict names):
-    plain logits, unless a request (targets, temperature) is set; then per position the pair
-    (log p(target), entropy) from the fused chunked pass."""
+    plain logits, unless a request (positions, targets, temperature) is set; then, for those
+    flat positions only, the pairs (log p(target), entropy) from the fused chunked pass."""
 
     def __init__(self, head: torch.nn.Linear, chunk_size: int = 1024):
         super().__init__()
         self.weight = head.weight
         self.bias = head.bias
         self.chunk_size = chunk_size
-        self.request: Optional[tuple[torch.Tensor, float]] = None
+        self.request: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.request is None:
             return F.linear(hidden, self.weight, self.bias)
-        targets, temperature = self.request
-        shape = hidden.shape[:-1]
-        logp, entropy = fused_token_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.weight,
-                                             targets.reshape(-1), temperature, self.chunk_size,
-                                             with_entropy=True)
-        return torch.stack([logp, entropy], dim=-1).reshape(*shape, 2)
+        positions, targets, temperature = self.request
+        selected = hidden.reshape(-1, hidden.shape[-1])[positions]
+        logp, entropy = fused_token_logprobs(selected, self.weight, targets, temperature,
+                                             self.chunk_size, with_entropy=True)
+        return torch.stack([logp, entropy], dim=-1)
 
 
 def install_logprob_head(model: torch.nn.Module, chunk_size: int) -> None:
@@ -53,24 +52,25 @@ def install_logprob_head(model: torch.nn.Module, chunk_size: int) -> None:
     model.lm_head = LogprobHead(head, chunk_size)
 
 
-def _forward(model, input_ids, position_ids, attention_mask, keep, targets, temperature, fused):
-    """Run the model, reading the head only at positions `keep` (1-D). Returns (logp, entropy)
-    shaped like `targets`."""
+def _forward(model, input_ids, position_ids, attention_mask, positions, targets, temperature, fused):
+    """Run the model and read log p(target) and entropy at the flat `positions` of its
+    (rows x width) output. Returns two (K,) tensors."""
     head = _head(model)
     if fused:
-        head.request = (targets, temperature)
+        head.request = (positions, targets, temperature)
     try:
         out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                    logits_to_keep=keep, use_cache=False).logits
+                    use_cache=False).logits
     finally:
         head.request = None
     if fused:
-        return out[..., 0].reshape(targets.shape), out[..., 1].reshape(targets.shape)
-    logp_all = (out.float() / temperature).log_softmax(dim=-1)
-    logp = logp_all.gather(-1, targets.reshape(out.shape[:-1]).unsqueeze(-1)).squeeze(-1)
+        return out[:, 0], out[:, 1]
+    logits = out.reshape(-1, out.shape[-1])[positions]
+    logp_all = (logits.float() / temperature).log_softmax(dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
-    return logp.reshape(targets.shape), entropy.reshape(targets.shape)
+    return logp, entropy
 
 
 def _head(model) -> LogprobHead:
@@ -81,25 +81,34 @@ def _head(model) -> LogprobHead:
     return head
 
 
+def _one_row(model) -> bool:
+    """flash-attn varlen pays only for real tokens: pack everything into one row."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return str(getattr(config, "_attn_implementation", "")).startswith("flash")
+
+
 def completion_logprobs(model, batch, temperature: float, packing: bool = True,
                         fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(token | prefix) and entropy for every completion token of a RolloutBatch, as
     (B, C) tensors laid out like batch.completion_ids (zeros on padding)."""
+    device = batch.completion_ids.device
     if packing:
         prompts, completions = batch.sequences()
-        packed = pack(prompts, completions)
-        device = batch.completion_ids.device
+        row_tokens = None if _one_row(model) else max(batch.token_counts())
+        packed = pack(prompts, completions, row_tokens)
         logp, entropy = _forward(model, packed.input_ids.to(device), packed.position_ids.to(device),
                                  None, packed.predict_at.to(device), packed.targets.to(device),
                                  temperature, fused)
-        rows, cols = packed.rows.to(device), packed.cols.to(device)
-        out_logp = torch.zeros(batch.completion_ids.shape, dtype=logp.dtype, device=device)
-        out_logp = out_logp.index_put((rows, cols), logp)
-        out_entropy = torch.zeros_like(out_logp).index_put((rows, cols), entropy.detach())
-        return out_logp, out_entropy
-    P, C = batch.prompt_width, batch.completion_ids.shape[1]
-    keep = torch.arange(P - 1, P - 1 + C, device=batch.input_ids.device)
-    logp, entropy = _forward(model, batch.input_ids, batch.position_ids, batch.attention_mask,
-                             keep, batch.completion_ids, temperature, fused)
-    mask = batch.completion_mask
-    return logp * mask, entropy.detach() * mask
+        index = (packed.rows.to(device), packed.cols.to(device))
+    else:
+        B, C = batch.completion_ids.shape
+        P, width = batch.prompt_width, batch.input_ids.shape[1]
+        # the output at column P-1+t of each row predicts completion token t
+        positions = (torch.arange(B, device=device)[:, None] * width
+                     + torch.arange(P - 1, P - 1 + C, device=device)[None, :]).reshape(-1)
+        logp, entropy = _forward(model, batch.input_ids, batch.position_ids, batch.attention_mask,
+                                 positions, batch.completion_ids.reshape(-1), temperature, fused)
+        index = batch.completion_mask.nonzero(as_tuple=True)
+        logp, entropy = logp.view(B, C)[index], entropy.view(B, C)[index]
+    zeros = torch.zeros(batch.completion_ids.shape, dtype=logp.dtype, device=device)
+    return zeros.index_put(index, logp), zeros.index_put(index, entropy.detach())

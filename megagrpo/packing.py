@@ -10,36 +10,59 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 
 @dataclass
 class PackedRows:
-    input_ids: torch.Tensor      # (1, T) every sequence, back to back
-    position_ids: torch.Tensor   # (1, T) restarting at 0 per sequence
-    predict_at: torch.Tensor     # (K,) positions whose output predicts a completion token
+    input_ids: torch.Tensor      # (R, W) sequences back to back, rows padded to one width
+    position_ids: torch.Tensor   # (R, W) restarting at 0 per sequence (and per padding run)
+    predict_at: torch.Tensor     # (K,) flat positions in (R * W) that predict a completion token
     targets: torch.Tensor        # (K,) those completion tokens
     rows: torch.Tensor           # (K,) row of each completion token in the (B, C) layout
     cols: torch.Tensor           # (K,) column of each completion token in the (B, C) layout
 
 
-def pack(prompts: list[list[int]], completions: list[list[int]]) -> PackedRows:
-    """Concatenate prompt+completion pairs; index the completion tokens."""
-    ids, positions, predict_at, targets, rows, cols = [], [], [], [], [], []
-    offset = 0
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
-        sequence = prompt + completion
-        ids.extend(sequence)
-        positions.extend(range(len(sequence)))
-        start = offset + len(prompt) - 1
-        predict_at.extend(range(start, start + len(completion)))
-        targets.extend(completion)
-        rows.extend([row] * len(completion))
-        cols.extend(range(len(completion)))
-        offset += len(sequence)
+def pack(prompts: list[list[int]], completions: list[list[int]],
+         row_tokens: Optional[int] = None, pad_id: int = 0) -> PackedRows:
+    """Concatenate prompt+completion pairs into rows of at most `row_tokens` tokens (first fit,
+    longest first; None: everything in one row) and index the completion tokens.
+
+    One row suits flash-attn varlen, whose cost follows the real sequences. SDPA on CPU builds
+    a dense (W x W) block-diagonal mask per row, so there rows as short as the longest
+    sequence keep the attention work near that of the sequences themselves."""
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    capacity = max(row_tokens or sum(lengths), max(lengths))
+    bins, loads = [], []
+    for seq in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        slot = next((r for r, load in enumerate(loads) if load + lengths[seq] <= capacity), None)
+        if slot is None:
+            bins.append([]), loads.append(0)
+            slot = len(bins) - 1
+        bins[slot].append(seq)
+        loads[slot] += lengths[seq]
+    width = max(loads)
+    input_ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(bins), width), dtype=torch.long)
+    predict_at, targets, rows, cols = [], [], [], []
+    for r, members in enumerate(bins):
+        offset = 0
+        for seq in sorted(members):
+            prompt, completion = prompts[seq], completions[seq]
+            n = len(prompt) + len(completion)
+            input_ids[r, offset:offset + n] = torch.tensor(prompt + completion)
+            position_ids[r, offset:offset + n] = torch.arange(n)
+            start = r * width + offset + len(prompt) - 1
+            predict_at.extend(range(start, start + len(completion)))
+            targets.extend(completion)
+            rows.extend([seq] * len(completion))
+            cols.extend(range(len(completion)))
+            offset += n
+        position_ids[r, offset:] = torch.arange(width - offset)  # padding: a block of its own
     as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-    return PackedRows(input_ids=as_long(ids)[None], position_ids=as_long(positions)[None],
+    return PackedRows(input_ids=input_ids, position_ids=position_ids,
                       predict_at=as_long(predict_at), targets=as_long(targets),
                       rows=as_long(rows), cols=as_long(cols))
 

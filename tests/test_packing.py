@@ -40,6 +40,14 @@ def test_pack_indexes_completion_tokens():
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1]]
     assert packed.predict_at.tolist() == [1, 2, 3, 5] and packed.targets.tolist() == [7, 8, 9, 4]
     assert packed.rows.tolist() == [0, 0, 0, 1] and packed.cols.tolist() == [0, 1, 2, 0]
+    # rows no longer than the longest sequence (the SDPA layout): first fit, longest first
+    packed = pack([[1, 2], [3], [5]], [[7, 8, 9], [4], [6, 6]], row_tokens=5)
+    assert packed.input_ids.tolist() == [[1, 2, 7, 8, 9], [3, 4, 5, 6, 6]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
+    assert packed.predict_at.tolist() == [1, 2, 3, 5, 7, 8] and packed.rows.tolist() == [0, 0, 0, 1, 2, 2]
+    packed = pack([[1], [3]], [[7, 8, 9], [4]], row_tokens=4)  # a padded row: its own block
+    assert packed.input_ids.tolist() == [[1, 7, 8, 9], [3, 4, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 0, 1]]
 
 
 def test_balanced_microbatches():
