@@ -7,6 +7,7 @@ real values (a model built by hand inside `zero.Init` would skip transformers' i
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
 
@@ -69,10 +70,19 @@ def lr_lambda(cfg: Config, total_steps: int):
     return factor
 
 
+def attention_implementation() -> str:
+    """flash-attn (varlen kernels for packed rows) where CUDA and the package exist, else SDPA.
+    flash_attn is only looked up, never imported here: it is CUDA-only."""
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
 def _load(cfg: Config, ds_config: dict):
     dschf = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None  # noqa: F841
     model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path,
-                                                 dtype=DTYPES[cfg.model.dtype])
+                                                 dtype=DTYPES[cfg.model.dtype],
+                                                 attn_implementation=attention_implementation())
     install_logprob_head(model, cfg.grpo.logprob_chunk_size)
     return model
 
