@@ -249,7 +249,7 @@ class Trainer:
 
     def _record(self, stats, mb, loss, token, entropy, old_logp, is_weights) -> None:
         mask = mb.completion_mask
-        stats.add_loss(float(loss))
+        stats.add_loss(float(loss.detach()))
         stats.add_mean("entropy", entropy, mask)
         if token.kl is not None:
             stats.add_mean("kl", token.kl.detach(), mask)
