@@ -23,5 +23,10 @@ if [ "$STACK" = cpu ]; then
   # to load beside the CPU torch and break transformers' model imports.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
-"$VENV/bin/python" -c "import torch, deepspeed, transformers, vllm; print('megagrpo: installed torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)" 2>&1 | grep megagrpo
+if ! CHECK="$("$VENV/bin/python" -c "import torch, deepspeed, transformers, vllm; print('megagrpo: installed torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)" 2>&1)"; then
+  echo "$CHECK" >&2
+  echo "megagrpo: the install finished but the stack does not import (above)" >&2
+  exit 1
+fi
+echo "$CHECK" | grep "^megagrpo:"
 echo "$WANT" > "$STAMP"

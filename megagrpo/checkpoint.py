@@ -75,7 +75,7 @@ def complete_checkpoints(root: str) -> list[str]:
     """Tags of complete checkpoints, oldest first."""
     if not os.path.isdir(root):
         return []
-    tags = [d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")
+    tags = [d for d in os.listdir(root) if d.startswith("step_") and "." not in d
             and os.path.isfile(os.path.join(root, d, MARKER))]
     return sorted(tags)
 
@@ -113,22 +113,24 @@ def save(engine, root: str, step: int, trainer_state: dict, keep_last: int, is_m
         with open(os.path.join(root, tmp, MARKER), "w") as f:
             f.write(tag)
         _fsync_tree(os.path.join(root, tmp))
-        final = os.path.join(root, tag)
-        if os.path.isdir(final):
-            shutil.rmtree(final)
+        final, replaced = os.path.join(root, tag), os.path.join(root, f"{tag}.old")
+        if os.path.isdir(final):  # saving the same step again (a finished run resumed)
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(final, replaced)
         os.rename(os.path.join(root, tmp), final)
         _fsync_dir(root)
         _write_atomic(os.path.join(root, "latest"), tag)
-        _prune(root, keep_last, keep=tag)
+        shutil.rmtree(replaced, ignore_errors=True)
+        _prune(root, keep_last, current=tag)
     _barrier()
     return os.path.join(root, tag)
 
 
-def _prune(root: str, keep_last: int, keep: str) -> None:
-    tags = complete_checkpoints(root)
-    for tag in tags[:-keep_last] if keep_last < len(tags) else []:
-        if tag != keep:
-            shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
+def _prune(root: str, keep_last: int, current: str) -> None:
+    """Keep the newest keep_last checkpoints up to `current` (the one `latest` names)."""
+    tags = [t for t in complete_checkpoints(root) if t <= current]
+    for tag in tags[:-keep_last]:
+        shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
 
 
 def load(engine, path: str, rank: int) -> dict:
@@ -183,7 +185,10 @@ def export_hf(module, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 20
             total = sum(os.path.getsize(os.path.join(out_dir, s)) for s in shards)
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        use_cache = module.config.use_cache
+        module.config.use_cache = True  # off only while training with gradient checkpointing
         module.config.save_pretrained(out_dir)
+        module.config.use_cache = use_cache
         if getattr(module, "generation_config", None) is not None:
             module.generation_config.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)

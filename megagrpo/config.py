@@ -31,7 +31,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in backward (transformers' gradient_checkpointing_enable)."""
     ref_offload: bool = False
-    """Keep the frozen reference model's ZeRO-3 partitions in CPU memory."""
+    """Keep the frozen reference model's ZeRO-3 partitions in CPU memory (ZeRO-3 only)."""
 
 
 @dataclass
@@ -41,7 +41,9 @@ class DataConfig:
     eval_file: Optional[str] = None
     """Held-out file for accuracy before/after training and every eval_steps."""
     split: str = "train"
-    """Split name for hub datasets."""
+    """Split name of train_file when it is a hub dataset."""
+    eval_split: str = "test"
+    """Split name of eval_file when it is a hub dataset."""
     prompt_field: str = "prompt"
     """Row field holding the prompt text (rows with `messages` need no prompt field)."""
     system_prompt: Optional[str] = None
@@ -57,9 +59,10 @@ class GRPOConfig:
     num_generations: int = 8
     """G: completions sampled per prompt; advantages are computed inside each group."""
     per_device_train_batch_size: int = 8
-    """Completions per rank per micro-batch."""
+    """Completions per rank per micro-batch when max_tokens_per_microbatch is 0. Completions
+    per rank per step = this x gradient_accumulation_steps, whatever the micro-batching."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step. Completions per rank per step = this x the above."""
+    """Micro-batches per optimizer step (with max_tokens_per_microbatch 0)."""
     learning_rate: float = 1e-6
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0
@@ -159,7 +162,7 @@ class RewardsConfig:
 @dataclass
 class CheckpointConfig:
     save_steps: int = 0
-    """Save every N optimizer steps (0: only at the end)."""
+    """Save every N training steps (0: only at the end)."""
     keep_last: int = 2
     """Checkpoints kept; the one `latest` names is never removed."""
     resume: str = "auto"
@@ -402,7 +405,20 @@ def validate(cfg: Config) -> None:
     _require(0 < cfg.rollout.top_p <= 1, f"rollout.top_p: {cfg.rollout.top_p} must be in (0, 1]")
     _require(0 < cfg.rollout.gpu_memory_utilization < 1,
              f"rollout.gpu_memory_utilization: {cfg.rollout.gpu_memory_utilization} must be in "
-             "(0, 1); on CPU it is the share of RAM vLLM reserves (0.05-0.3)")
+             "(0, 1), e.g. 0.3 (on CPU rollout.cpu_kv_cache_gb sizes the KV cache instead)")
+    _require(cfg.rollout.cpu_kv_cache_gb > 0,
+             f"rollout.cpu_kv_cache_gb: {cfg.rollout.cpu_kv_cache_gb} must be > 0, e.g. 0.25")
+    _require(g.max_steps == -1 or g.max_steps >= 1,
+             f"grpo.max_steps: {g.max_steps} must be -1 (use num_train_epochs) or >= 1")
+    _require(g.num_train_epochs > 0, f"grpo.num_train_epochs: {g.num_train_epochs} must be > 0")
+    for key in ("checkpoint.save_steps", "logging.sample_steps", "logging.eval_steps"):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        _require(value >= 0, f"{key}: {value} must be >= 0 (0 turns it off)")
+    max_len = cfg.rollout.max_model_len
+    _require(max_len is None or max_len >= cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+             f"rollout.max_model_len: {max_len} is shorter than data.max_prompt_length + "
+             f"rollout.max_new_tokens = {cfg.data.max_prompt_length + cfg.rollout.max_new_tokens}")
     per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
     _require(per_rank % g.num_generations == 0,
              f"grpo.per_device_train_batch_size x grpo.gradient_accumulation_steps = {per_rank} "
@@ -412,8 +428,13 @@ def validate(cfg: Config) -> None:
     _require(len(cfg.rewards.functions) > 0,
              "rewards.functions is empty: add at least one, e.g. "
              "[{name: answer_match, weight: 1.0}]")
+    from .rewards import RewardError, resolve
     for i, fn in enumerate(cfg.rewards.functions):
         _require(bool(fn.name), f"rewards.functions[{i}].name is empty")
+        try:
+            resolve(fn.name)
+        except RewardError as e:
+            raise ConfigError(f"rewards.functions[{i}].name: {e}") from None
     if isinstance(cfg.deepspeed, str):
         _require(os.path.isfile(cfg.deepspeed),
                  f"deepspeed: file '{cfg.deepspeed}' does not exist; use one of configs/ds_*.json "

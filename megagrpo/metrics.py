@@ -32,21 +32,28 @@ class MetricsLogger:
             self.writer.close()
 
 
+def _comm_device() -> torch.device:
+    """NCCL serves only CUDA tensors; gloo serves CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def all_gather_1d(values: torch.Tensor) -> torch.Tensor:
-    """Concatenate equal-length 1-D tensors from every rank (rank order)."""
+    """Concatenate equal-length 1-D tensors from every rank (rank order); returns on CPU."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, values.contiguous())
-    return torch.cat(parts)
+        return values.cpu()
+    local = values.contiguous().to(_comm_device())
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    return torch.cat(parts).cpu()
 
 
 def all_reduce(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Element-wise sum/max/min over ranks; returns on CPU."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        values = values.clone()
+        values = values.to(_comm_device(), copy=True)
         dist.all_reduce(values, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                                     "min": dist.ReduceOp.MIN}[op])
-    return values
+    return values.cpu()
 
 
 class StepStats:

@@ -57,8 +57,11 @@ def zero_stage(ds_config: dict) -> int:
 
 
 def lr_lambda(cfg: Config, total_steps: int):
-    """Linear warmup, then constant or cosine decay to 0 at total_steps."""
-    warmup, kind = cfg.grpo.warmup_steps, cfg.grpo.lr_scheduler_type
+    """Linear warmup, then constant or cosine decay to 0 at the last step. The scheduler moves
+    once per optimizer step: num_iterations per training step."""
+    per_step = cfg.grpo.num_iterations
+    warmup, kind = cfg.grpo.warmup_steps * per_step, cfg.grpo.lr_scheduler_type
+    total_steps = total_steps * per_step
 
     def factor(step: int) -> float:
         if step < warmup:

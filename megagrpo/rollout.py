@@ -149,10 +149,15 @@ class HFEngine:
         completions = []
         for row in range(len(rows)):
             ids = generated[row].tolist()
-            end = ids.index(self.eos_id) + 1 if self.eos_id in ids else len(ids)
-            completions.append(Completion(token_ids=ids[:end],
-                                          logprobs=token_logprobs[row, :end].tolist(),
-                                          truncated=self.eos_id not in ids[:end]))
+            if self.eos_id in ids:
+                end = ids.index(self.eos_id) + 1
+            else:  # a row that met a stop string is padded after it; padding was never sampled
+                end = len(ids)
+                while end > 0 and ids[end - 1] == self.pad_id:
+                    end -= 1
+            completions.append(Completion(
+                token_ids=ids[:end], logprobs=token_logprobs[row, :end].tolist(),
+                truncated=self.eos_id not in ids[:end] and end == r.max_new_tokens))
         return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 
     @torch.no_grad()

@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 
 import torch
 
@@ -43,6 +44,10 @@ def init_distributed(timeout_minutes: float = 30.0) -> Topology:
     """Create the job's process group (one plain process gets a world of one)."""
     import deepspeed
 
+    if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        # srun started the ranks: map SLURM's variables (MASTER_ADDR/PORT come from the script)
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -69,7 +74,7 @@ class Trainer:
         if cfg.data.eval_file:
             self.eval_prompts, _ = load_prompts(cfg.data.eval_file, self.tokenizer,
                                                 cfg.data.max_prompt_length, cfg.data.prompt_field,
-                                                cfg.data.system_prompt)
+                                                cfg.data.system_prompt, cfg.data.eval_split)
         self.reward_functions = build_reward_functions(cfg.rewards.functions)
         completions_per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
         self.sampler = PromptSampler(len(self.prompts), completions_per_rank // g.num_generations,
@@ -82,6 +87,7 @@ class Trainer:
         self.rollout = build_rollout_engine(cfg, seed=g.seed + topology.dp_rank)
         self.metrics = MetricsLogger(cfg.output_dir, topology.is_main and cfg.logging.report_to == "tensorboard")
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
+        os.makedirs(cfg.output_dir, exist_ok=True)
         self.step = 0
         self.log(topology.describe())
 
@@ -133,7 +139,9 @@ class Trainer:
         cfg, g = self.cfg, self.cfg.grpo
         timings = {}
         clock = time.perf_counter()
-        prompts = [self.prompts[i] for i in self.sampler.next_indices()]
+        indices = self.sampler.next_indices()
+        self._record_prompts(indices)
+        prompts = [self.prompts[i] for i in indices]
 
         # rollout: G completions per prompt, with the sampler's logprobs
         groups = self.rollout.generate([p.token_ids for p in prompts], n=g.num_generations,
@@ -207,6 +215,14 @@ class Trainer:
     def _rollout_seed(self) -> int:
         """Distinct per step and per dp rank, and a pure function of both (exact resume)."""
         return (self.cfg.grpo.seed * 1_000_003 + self.step) * 1009 + self.topo.dp_rank
+
+    def _record_prompts(self, indices: list[int]) -> None:
+        """Append this step's prompt indices (all dp ranks) to output_dir/prompts_seen.jsonl,
+        so that a resumed run can be checked for skipped or repeated data."""
+        everything = all_gather_1d(torch.tensor(indices, dtype=torch.long)).tolist()
+        if self.topo.is_main:
+            with open(os.path.join(self.cfg.output_dir, "prompts_seen.jsonl"), "a") as f:
+                f.write(json.dumps({"step": self.step + 1, "prompts": everything}) + "\n")
 
     def _rewards(self, prompts: list[Prompt], texts: list[str]):
         fields = {key: [p.fields.get(key) for p in prompts] for key in prompts[0].fields}
@@ -305,12 +321,15 @@ class Trainer:
         """Greedy completions of this rank's share of the held-out prompts, scored by the
         reward functions; returns the global mean reward, total and per function."""
         shard = self.eval_prompts[self.topo.dp_rank::self.topo.dp_size]
-        groups = self.rollout.generate([p.token_ids for p in shard], n=1, seed=0, greedy=True)
-        self.rollout.sleep()
-        texts = self.tokenizer.batch_decode([grp[0].token_ids for grp in groups], skip_special_tokens=True)
-        total, per_function = self._rewards(shard, texts)
-        sums = torch.cat([total.sum().reshape(1), per_function.sum(0),
-                          torch.tensor([float(len(shard))])]).double()
+        sums = torch.zeros(2 + len(self.reward_functions), dtype=torch.float64)
+        if shard:  # fewer held-out prompts than ranks leaves some ranks without any
+            groups = self.rollout.generate([p.token_ids for p in shard], n=1, seed=0, greedy=True)
+            self.rollout.sleep()
+            texts = self.tokenizer.batch_decode([grp[0].token_ids for grp in groups],
+                                                skip_special_tokens=True)
+            total, per_function = self._rewards(shard, texts)
+            sums = torch.cat([total.sum().reshape(1), per_function.sum(0),
+                              torch.tensor([float(len(shard))])]).double()
         sums = all_reduce(sums)
         count = float(sums[-1])
         out = {"reward": float(sums[0]) / count}
@@ -321,18 +340,28 @@ class Trainer:
     def maybe_resume(self) -> None:
         resume = self.cfg.checkpoint.resume
         if resume == "none":
+            if checkpoint.complete_checkpoints(self.ckpt_root):
+                raise ConfigError(f"checkpoint.resume=none but {self.ckpt_root} holds checkpoints of "
+                                  "an earlier run; resume it (checkpoint.resume=auto), use another "
+                                  "output_dir, or delete that folder")
             return
         path = checkpoint.find_resume_checkpoint(self.ckpt_root, self.log) if resume == "auto" else resume
         if path is None:
             return
         state = checkpoint.load(self.policy, path, self.topo.rank)
+        for key, now in (("dp_size", self.topo.dp_size), ("num_prompts", len(self.prompts))):
+            if state.get(key, now) != now:
+                raise ConfigError(f"checkpoint '{path}' was saved with {key}={state[key]}, this run "
+                                  f"has {key}={now}; the prompt order would not continue. Resume "
+                                  "with the same number of ranks and the same data")
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.log(f"resumed from {path} at step {self.step}")
 
     def save(self) -> None:
         state = {"step": self.step, "sampler": self.sampler.state_dict(),
-                 "world_size": self.topo.world_size, "total_steps": self.total_steps}
+                 "world_size": self.topo.world_size, "dp_size": self.topo.dp_size,
+                 "num_prompts": len(self.prompts), "total_steps": self.total_steps}
         path = checkpoint.save(self.policy, self.ckpt_root, self.step, state,
                                self.cfg.checkpoint.keep_last, self.topo.is_main, self.topo.rank)
         self.log(f"checkpoint saved: {path}")
@@ -365,9 +394,13 @@ def main(argv=None) -> int:
     topology = init_distributed(args.timeout_minutes)
     try:
         Trainer(cfg, topology).train()
-    except (DataError, RewardError, ConfigError) as e:
+    except Exception as e:  # noqa: BLE001 - every failure must end this rank now
+        if not isinstance(e, (DataError, RewardError, ConfigError)):
+            traceback.print_exc()
         print(f"megagrpo: error on rank {topology.rank}: {e}", file=sys.stderr, flush=True)
-        os._exit(1)  # other ranks may be waiting in a collective; do not hang in teardown
+        # other ranks may wait in a collective: exit without teardown so the launcher sees the
+        # failure and stops them, instead of everyone hanging until the process-group timeout
+        os._exit(1)
     return 0
 
 

@@ -1,9 +1,10 @@
 """The console script, the torchrun path, and README/--help staying true to the code."""
 import dataclasses
+import json
 import os
 
 from megagrpo import config as config_module
-from conftest import BIN, ROOT, free_port, run, tiny_overrides
+from conftest import BIN, ROOT, free_port, run, tiny_overrides, write_jsonl
 
 
 def test_console_script_validate_and_help(tiny, tmp_path):
@@ -18,13 +19,17 @@ def test_console_script_validate_and_help(tiny, tmp_path):
 
 
 def test_torchrun_two_ranks(tiny, tmp_path):
+    """torchrun, and a held-out set smaller than the number of ranks (rank 1 has no share)."""
     out = tmp_path / "run"
+    one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "What is 2 + 2?", "answer": "4"}])
     proc = run([f"{BIN}/torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
                 "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, out), "grpo.max_steps=2", "grpo.per_device_train_batch_size=16",
-                "checkpoint.save_hf_at_end=false", "data.eval_file=null"])
+                "checkpoint.save_hf_at_end=false", f"data.eval_file={one}"])
     assert "world 2 = dp 2" in proc.stdout and "done: 2 steps" in proc.stdout
     assert (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
+    results = json.load(open(out / "eval_results.json"))
+    assert results["before"]["reward"] in (0.0, 1.0) and results["after"]["reward"] in (0.0, 1.0)
 
 
 def test_readme_documents_every_config_key():

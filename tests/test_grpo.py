@@ -106,3 +106,15 @@ def test_gradients_match_float64_reference():
     got.backward()
     assert got.item() == pytest.approx(expected.item(), abs=1e-6)
     torch.testing.assert_close(logp32.grad.double(), g_expected, atol=1e-6, rtol=1e-5)
+
+
+def test_lr_schedule_counts_optimizer_steps():
+    """Warmup and cosine are sized in optimizer steps: num_iterations per training step."""
+    from megagrpo.config import Config
+    from megagrpo.model import lr_lambda
+    cfg = Config()
+    cfg.grpo.lr_scheduler_type, cfg.grpo.warmup_steps, cfg.grpo.num_iterations = "cosine", 2, 2
+    factor = lr_lambda(cfg, total_steps=10)  # 20 optimizer steps, 4 of warmup
+    assert [factor(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert factor(12) == pytest.approx(0.5 * (1 + math.cos(math.pi * 8 / 16)))
+    assert factor(19) > 0 and factor(20) == pytest.approx(0.0)
