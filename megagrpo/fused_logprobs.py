@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 
@@ -26,11 +27,27 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
     return (hidden @ weight.T).to(acc).div_(temperature)
 
 
+def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def _in_shard(targets: torch.Tensor, offset: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local column of each target in this vocabulary shard (clamped) and whether it is here."""
+    local = targets - offset
+    inside = (local >= 0) & (local < size)
+    return local.clamp(0, size - 1), inside
+
+
 class _FusedLogprobs(torch.autograd.Function):
+    """With `group` set, `weight` holds the rows [offset, offset + V_local) of the vocabulary
+    and the softmax statistics are completed across the group (max, sum of exp, target logit):
+    the vocab-parallel log-softmax of tensor parallelism, never gathering the full vocabulary."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
-        N = hidden.shape[0]
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, group, offset):
+        N, V_local = hidden.shape[0], weight.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)
         logp = torch.empty(N, dtype=acc, device=hidden.device)
         lse = torch.empty(N, dtype=acc, device=hidden.device)
@@ -38,14 +55,21 @@ class _FusedLogprobs(torch.autograd.Function):
         for s in range(0, N, chunk_size):
             e = min(s + chunk_size, N)
             logits = _chunk_logits(hidden[s:e], weight, temperature)
-            lse[s:e] = logits.logsumexp(dim=-1)
-            logp[s:e] = logits.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
+            if group is None:
+                lse[s:e] = logits.logsumexp(dim=-1)
+            else:
+                peak = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
+                total = _all_reduce((logits - peak[:, None]).exp().sum(dim=-1), dist.ReduceOp.SUM, group)
+                lse[s:e] = peak + total.log()
+            local, inside = _in_shard(targets[s:e], offset, V_local)
+            target_logit = logits.gather(-1, local[:, None]).squeeze(-1) * inside
+            logp[s:e] = _all_reduce(target_logit, dist.ReduceOp.SUM, group) - lse[s:e]
             if with_entropy:
                 logits.sub_(lse[s:e, None])  # now log-probs
-                entropy[s:e] = -logits.exp().mul_(logits).sum(dim=-1)
+                entropy[s:e] = -_all_reduce(logits.exp().mul_(logits).sum(dim=-1), dist.ReduceOp.SUM, group)
             del logits  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.group, ctx.offset = temperature, chunk_size, group, offset
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -54,7 +78,7 @@ class _FusedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, targets, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
-        N, T = hidden.shape[0], ctx.temperature
+        N, T, V_local = hidden.shape[0], ctx.temperature, weight.shape[0]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
                        if need_weight else None)
@@ -63,7 +87,8 @@ class _FusedLogprobs(torch.autograd.Function):
             scale = (grad_logp[s:e] / T).to(lse.dtype)[:, None]   # (n, 1)
             # dz = scale * (onehot - softmax), built in place in the recomputed logits
             dz = _chunk_logits(hidden[s:e], weight, T).sub_(lse[s:e, None]).exp_().mul_(-scale)
-            dz.scatter_add_(1, targets[s:e, None], scale)
+            local, inside = _in_shard(targets[s:e], ctx.offset, V_local)
+            dz.scatter_add_(1, local[:, None], scale * inside[:, None])
             dz = dz.to(hidden.dtype)
             if need_hidden:
                 grad_hidden[s:e] = dz @ weight
@@ -73,20 +98,28 @@ class _FusedLogprobs(torch.autograd.Function):
                 else:  # low-precision weight: product in its dtype, sum over chunks in float32
                     grad_weight += dz.T @ hidden[s:e]
             del dz
+        if need_hidden:  # every vocabulary shard contributes to the (replicated) hidden state
+            grad_hidden = _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          temperature: float = 1.0, chunk_size: int = 1024,
-                         with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         with_entropy: bool = False, vocab_group=None,
+                         vocab_offset: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log softmax(hidden @ weight.T / temperature)[target] per token, and the entropy (no
     gradient) when asked. hidden (..., H), weight (V, H), targets (...) -> float32 (...), with at
-    most chunk_size x V logits alive at a time in forward and backward."""
+    most chunk_size x V logits alive at a time in forward and backward.
+
+    Vocab-parallel: with `vocab_group` (a torch.distributed group), `weight` is this rank's
+    shard, rows vocab_offset .. vocab_offset + len(weight) of the vocabulary; targets are
+    vocabulary ids; every rank of the group gets the full result (and the summed hidden grad)."""
     shape = targets.shape
     logp, entropy = _FusedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                         targets.reshape(-1), temperature, chunk_size, with_entropy)
+                                         targets.reshape(-1), temperature, chunk_size, with_entropy,
+                                         vocab_group, vocab_offset)
     return logp.view(shape), (entropy.view(shape) if with_entropy else None)
 
 
