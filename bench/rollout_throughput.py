@@ -22,10 +22,10 @@ from megagrpo.train import init_distributed  # noqa: E402
 
 
 def measure(engine, prompt_ids, n, repeats):
-    engine.generate(prompt_ids[:2], n=2, seed=0)  # warm-up
+    engine.generate(prompt_ids[:2], n=2, seeds=[0, 1])  # warm-up
     tokens, start = 0, time.perf_counter()
     for r in range(repeats):
-        groups = engine.generate(prompt_ids, n=n, seed=r + 1)
+        groups = engine.generate(prompt_ids, n=n, seeds=[r * 1000 + i for i in range(len(prompt_ids))])
         tokens += sum(len(c.token_ids) for g in groups for c in g)
     seconds = time.perf_counter() - start
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}

@@ -2,6 +2,7 @@
 
     megagrpo train --config X.yaml key.sub=value ...   (same as python -m megagrpo.train)
     megagrpo validate --config X.yaml key.sub=value ... (check the config, build nothing)
+    megagrpo plan --config X.yaml --world-size N ...    (layout and memory per rank)
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ USAGE = """usage: megagrpo <command> [options]
 commands:
   train      run GRPO training (see `megagrpo train --help`)
   validate   check a config and its overrides without building anything
+  plan       print the layout (dp/tp/pp per rank) and the model-state bytes per rank
 """
 
 
@@ -34,6 +36,29 @@ def validate(argv) -> int:
     return 0
 
 
+def plan(argv) -> int:
+    import os
+
+    from .config import ConfigError, load_config
+    from .plan import format_plan, make_plan
+
+    p = argparse.ArgumentParser(prog="megagrpo plan",
+                                description="Print the layout and the memory each rank will hold.")
+    p.add_argument("--config", required=True)
+    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+                   help="ranks in the job (default: $WORLD_SIZE or 1)")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    os.environ["WORLD_SIZE"] = str(args.world_size)  # validation checks the layout against it
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"megagrpo: config error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(make_plan(cfg, args.world_size)))
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -45,6 +70,8 @@ def main(argv=None) -> int:
         return train_main(rest)
     if command == "validate":
         return validate(rest)
+    if command == "plan":
+        return plan(rest)
     print(f"megagrpo: unknown command '{command}'\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -55,6 +55,15 @@ class DataConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Ranks that split every layer (DeepSpeed AutoTP, vocab-parallel LM head); dp is what
+    is left of the world size."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (DeepSpeed PipelineModule); ZeRO stage 0 or 1 only."""
+
+
+@dataclass
 class GRPOConfig:
     num_generations: int = 8
     """G: completions sampled per prompt; advantages are computed inside each group."""
@@ -189,6 +198,7 @@ class LoggingConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
@@ -447,9 +457,56 @@ def validate(cfg: Config) -> None:
     else:
         _require(isinstance(cfg.deepspeed, dict),
                  f"deepspeed: expected a path or a mapping, got {cfg.deepspeed!r}")
+    _validate_parallel(cfg)
     _require(cfg.checkpoint.resume in ("auto", "none") or os.path.isdir(cfg.checkpoint.resume),
              f"checkpoint.resume: '{cfg.checkpoint.resume}' is not auto, none or an existing "
              "checkpoint folder")
+
+
+PIPELINE_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+def _validate_parallel(cfg: Config) -> None:
+    """Layouts DeepSpeed or the model cannot run are refused here, before anything is built."""
+    tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    _require(tp >= 1, f"parallel.tensor_parallel_size: {tp} must be >= 1")
+    _require(pp >= 1, f"parallel.pipeline_parallel_size: {pp} must be >= 1")
+    if pp > 1:
+        stage = deepspeed_zero_stage(cfg)
+        _require(stage <= 1, f"parallel.pipeline_parallel_size={pp} with ZeRO stage {stage}: DeepSpeed "
+                 "runs pipelines with ZeRO stage 0 or 1 only; use configs/ds_zero0.json or a "
+                 "stage-1 config, or pipeline_parallel_size=1")
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None:
+        _require(int(world) % (tp * pp) == 0,
+                 f"world size {world} is not divisible by tensor_parallel_size x "
+                 f"pipeline_parallel_size = {tp} x {pp}; launch a multiple of {tp * pp} ranks")
+    model_config = os.path.join(cfg.model.name_or_path, "config.json")
+    if (tp > 1 or pp > 1) and os.path.isfile(model_config):
+        with open(model_config) as f:
+            model = json.load(f)
+        heads = model.get("num_attention_heads")
+        kv_heads = model.get("num_key_value_heads", heads)
+        for name, count in (("attention heads", heads), ("key-value heads", kv_heads)):
+            _require(count is None or count % tp == 0,
+                     f"parallel.tensor_parallel_size={tp} does not divide the model's {count} "
+                     f"{name}; use a divisor of {count}")
+        _require(pp == 1 or model.get("model_type") in PIPELINE_ARCHITECTURES,
+                 f"parallel.pipeline_parallel_size={pp}: no pipeline layer map for model_type "
+                 f"'{model.get('model_type')}' (supported: {', '.join(PIPELINE_ARCHITECTURES)})")
+        layers = model.get("num_hidden_layers", pp)
+        _require(layers >= pp, f"parallel.pipeline_parallel_size={pp} exceeds the model's "
+                 f"{layers} layers")
+    _require(pp == 1, f"parallel.pipeline_parallel_size={pp}: pipeline-parallel training is not "
+             "in this version yet; use tensor_parallel_size and data parallelism")
+
+
+def deepspeed_zero_stage(cfg: Config) -> int:
+    ds = cfg.deepspeed
+    if isinstance(ds, str):
+        with open(ds) as f:
+            ds = json.load(f)
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
 def _looks_local(path: str) -> bool:

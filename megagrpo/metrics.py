@@ -37,22 +37,23 @@ def _comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def all_gather_1d(values: torch.Tensor) -> torch.Tensor:
-    """Concatenate equal-length 1-D tensors from every rank (rank order); returns on CPU."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def all_gather_1d(values: torch.Tensor, group=None) -> torch.Tensor:
+    """Concatenate equal-length 1-D tensors from every rank of `group` (default: all), in rank
+    order; returns on CPU."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return values.cpu()
     local = values.contiguous().to(_comm_device())
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, local)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
     return torch.cat(parts).cpu()
 
 
-def all_reduce(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """Element-wise sum/max/min over ranks; returns on CPU."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+def all_reduce(values: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """Element-wise sum/max/min over the ranks of `group` (default: all); returns on CPU."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
         values = values.to(_comm_device(), copy=True)
         dist.all_reduce(values, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                                    "min": dist.ReduceOp.MIN}[op])
+                                    "min": dist.ReduceOp.MIN}[op], group=group)
     return values.cpu()
 
 

@@ -29,8 +29,9 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def deepspeed_config(cfg: Config, world_size: int) -> dict:
-    """The user's DeepSpeed JSON with batch sizes, precision and clipping filled in from cfg."""
+def deepspeed_config(cfg: Config) -> dict:
+    """The user's DeepSpeed JSON with batch sizes, precision, clipping and the tensor-parallel
+    size filled in from cfg."""
     if isinstance(cfg.deepspeed, str):
         with open(cfg.deepspeed) as f:
             ds = json.load(f)
@@ -39,7 +40,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
     g = cfg.grpo
     ds["train_micro_batch_size_per_gpu"] = g.per_device_train_batch_size
     ds["gradient_accumulation_steps"] = g.gradient_accumulation_steps
-    ds["train_batch_size"] = g.per_device_train_batch_size * g.gradient_accumulation_steps * world_size
+    ds.pop("train_batch_size", None)  # DeepSpeed derives it (micro x accumulation x dp)
     ds["gradient_clipping"] = g.max_grad_norm
     ds["bf16"] = {"enabled": cfg.model.dtype == "bfloat16"}
     ds.pop("fp16", None)
@@ -47,6 +48,9 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
     if "optimizer" in ds:
         ds["optimizer"].setdefault("params", {}).update(
             lr=g.learning_rate, betas=[g.adam_beta1, g.adam_beta2], weight_decay=g.weight_decay)
+    if cfg.parallel.tensor_parallel_size > 1:
+        ds["tensor_parallel"] = {**ds.get("tensor_parallel", {}),
+                                 "autotp_size": cfg.parallel.tensor_parallel_size}
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("wall_clock_breakdown", False)
     return ds
@@ -82,7 +86,11 @@ def attention_implementation() -> str:
 
 
 def _load(cfg: Config, ds_config: dict):
-    dschf = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None  # noqa: F841
+    # Under ZeRO-3 parameters are partitioned as they load. transformers refuses that path with
+    # AutoTP, so with tensor parallelism the model loads whole and deepspeed.initialize shards
+    # it (more host memory at start-up).
+    partition_while_loading = zero_stage(ds_config) == 3 and "tensor_parallel" not in ds_config
+    dschf = HfDeepSpeedConfig(ds_config) if partition_while_loading else None  # noqa: F841
     model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path,
                                                  dtype=DTYPES[cfg.model.dtype],
                                                  attn_implementation=attention_implementation())
@@ -114,9 +122,11 @@ def build_reference(cfg: Config, ds_config: dict):
         from deepspeed.accelerator import get_accelerator
         model = _load(cfg, ds_config).eval().requires_grad_(False)
         return model.to(get_accelerator().current_device_name())
-    ref_config = {k: ds_config[k] for k in ("train_micro_batch_size_per_gpu", "train_batch_size",
+    ref_config = {k: ds_config[k] for k in ("train_micro_batch_size_per_gpu",
                                             "gradient_accumulation_steps", "bf16", "steps_per_print")}
     ref_config["zero_optimization"] = {"stage": 3}
+    if "tensor_parallel" in ds_config:  # the reference is sharded like the policy
+        ref_config["tensor_parallel"] = ds_config["tensor_parallel"]
     if cfg.model.ref_offload:
         ref_config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     model = _load(cfg, ref_config).eval().requires_grad_(False)

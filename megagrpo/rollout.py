@@ -1,7 +1,7 @@
 """Rollout engines: sample G completions per prompt and take new weights in place.
 
 Both engines have the same interface:
-    generate(prompt_ids, n, seed, greedy=False) -> per prompt, n Completions
+    generate(prompt_ids, n, seeds, greedy=False) -> per prompt, n Completions
     load_weights(named_tensors)   # a stream of (HF name, tensor); no restart, no disk
     sleep() / wake_up()           # free accelerator memory while the trainer runs
 
@@ -55,8 +55,9 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs", enable_sleep_mode=self.can_sleep,
             enforce_eager=not _on_gpu(), enable_prefix_caching=False, **kwargs)
 
-    def generate(self, prompt_ids: list[list[int]], n: int, seed: int,
+    def generate(self, prompt_ids: list[list[int]], n: int, seeds: list[int],
                  greedy: bool = False) -> list[list[Completion]]:
+        """n samples per prompt; prompt i's samples depend only on seeds[i] and the weights."""
         from vllm import SamplingParams
 
         self.wake_up()
@@ -64,7 +65,7 @@ class VLLMEngine:
         params = [SamplingParams(
             n=n, temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
             max_tokens=r.max_new_tokens, stop=list(r.stop) or None, logprobs=0,
-            seed=seed * 100003 + i) for i in range(len(prompt_ids))]
+            seed=seed) for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
                                     use_tqdm=False)
         return [[Completion(token_ids=list(c.token_ids),
@@ -124,8 +125,10 @@ class HFEngine:
         self.device = device
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], n: int, seed: int,
+    def generate(self, prompt_ids: list[list[int]], n: int, seeds: list[int],
                  greedy: bool = False) -> list[list[Completion]]:
+        """n samples per prompt from one batched generate; the samples depend on all the seeds
+        and on the batch (transformers samples a batch from one generator)."""
         r = self.cfg
         rows = [ids for ids in prompt_ids for _ in range(n)]
         width = max(len(ids) for ids in rows)
@@ -134,7 +137,7 @@ class HFEngine:
         mask = (torch.arange(width, device=self.device)[None, :] >=
                 torch.tensor([width - len(ids) for ids in rows], device=self.device)[:, None]).long()
         with torch.random.fork_rng(devices=[self.device] if _on_gpu() else []):
-            torch.manual_seed(seed)
+            torch.manual_seed(hash(tuple(seeds)) % 2**63)
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=mask, do_sample=not greedy,
                 temperature=r.temperature if not greedy else None,

@@ -1,7 +1,8 @@
-"""The process topology: world, data-parallel rank and size. Everything else asks this object.
+"""The process topology: world = dp x tp x pp. Everything else asks this object.
 
-Tensor and pipeline parallel sizes are 1 until they land (issue #3); the seams are here so
-that data sharding and the rollout already ask for `dp_rank`/`dp_size`, not the global rank.
+Ranks are laid out tensor-parallel fastest (DeepSpeed's AutoTP mesh is (dp, tp), row-major):
+ranks 0..tp-1 form the first tp group. Ranks of one tp group see the same prompts and share
+one rollout; different dp ranks see different prompts.
 """
 from __future__ import annotations
 
@@ -20,14 +21,18 @@ class Topology:
     pp_size: int = 1
 
     @classmethod
-    def from_env(cls) -> "Topology":
+    def from_env(cls, tp_size: int = 1, pp_size: int = 1) -> "Topology":
         """Read the launcher's variables (deepspeed, torchrun, srun mapped by our scripts)."""
         if dist.is_available() and dist.is_initialized():
             world, rank = dist.get_world_size(), dist.get_rank()
         else:
             world = int(os.environ.get("WORLD_SIZE", "1"))
             rank = int(os.environ.get("RANK", "0"))
-        return cls(world_size=world, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        if world % (tp_size * pp_size):
+            raise ValueError(f"world size {world} is not divisible by tensor_parallel_size x "
+                             f"pipeline_parallel_size = {tp_size} x {pp_size}")
+        return cls(world_size=world, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                   tp_size=tp_size, pp_size=pp_size)
 
     @property
     def dp_size(self) -> int:
@@ -38,9 +43,19 @@ class Topology:
         return self.rank // (self.tp_size * self.pp_size)
 
     @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def tp_source(self) -> int:
+        """Global rank of this tp group's first rank (it samples the group's rollout)."""
+        return self.rank - self.tp_rank
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     def describe(self) -> str:
         return (f"world {self.world_size} = dp {self.dp_size} x tp {self.tp_size} x "
-                f"pp {self.pp_size}; this is rank {self.rank} (dp rank {self.dp_rank})")
+                f"pp {self.pp_size}; this is rank {self.rank} (dp rank {self.dp_rank}, "
+                f"tp rank {self.tp_rank})")

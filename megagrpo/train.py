@@ -40,7 +40,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_minutes: float = 30.0) -> Topology:
+def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: int = 1) -> Topology:
     """Create the job's process group (one plain process gets a world of one)."""
     import deepspeed
 
@@ -52,7 +52,7 @@ def init_distributed(timeout_minutes: float = 30.0) -> Topology:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
-    topology = Topology.from_env()
+    topology = Topology.from_env(tp_size, pp_size)
     if torch.cuda.is_available():
         torch.cuda.set_device(topology.local_rank)
     return topology
@@ -81,10 +81,16 @@ class Trainer:
                                      topology.dp_rank, topology.dp_size, g.seed, cfg.data.shuffle)
         self.total_steps = g.max_steps if g.max_steps > 0 else max(
             1, math.ceil(g.num_train_epochs * self.sampler.steps_per_epoch))
-        self.ds_config = deepspeed_config(cfg, topology.world_size)
+        self.ds_config = deepspeed_config(cfg)
         self.policy = build_policy(cfg, self.ds_config, self.total_steps)
         self.reference = build_reference(cfg, self.ds_config) if g.kl_coef > 0 else None
         self.rollout = build_rollout_engine(cfg, seed=g.seed + topology.dp_rank)
+        # metrics and batch statistics are taken over the dp ranks (tp ranks hold copies)
+        self.dp_group, self.tp_group = None, None
+        if topology.tp_size > 1:
+            from deepspeed.utils import groups
+            self.dp_group = groups.get_data_parallel_group()
+            self.tp_group = groups.get_tensor_model_parallel_group()
         self.metrics = MetricsLogger(cfg.output_dir, topology.is_main and cfg.logging.report_to == "tensorboard")
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         os.makedirs(cfg.output_dir, exist_ok=True)
@@ -144,9 +150,8 @@ class Trainer:
         prompts = [self.prompts[i] for i in indices]
 
         # rollout: G completions per prompt, with the sampler's logprobs
-        groups = self.rollout.generate([p.token_ids for p in prompts], n=g.num_generations,
-                                       seed=self._rollout_seed())
-        self.rollout.sleep()
+        groups = self._generate([p.token_ids for p in prompts], n=g.num_generations,
+                                seeds=[self._sampling_seed(i) for i in indices])
         completions = [c for group in groups for c in group]
         prompt_of = [p for p in prompts for _ in range(g.num_generations)]
         timings["rollout"], clock = time.perf_counter() - clock, time.perf_counter()
@@ -154,7 +159,7 @@ class Trainer:
         # rewards and group advantages (groups never leave their rank; batch std is global)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         rewards, per_function = self._rewards(prompt_of, texts)
-        global_rewards = all_gather_1d(rewards)
+        global_rewards = all_gather_1d(rewards, self.dp_group)
         advantages = grpo.group_advantages(rewards, g.num_generations, g.scale_rewards,
                                            batch_std=global_rewards.std())
         timings["reward"], clock = time.perf_counter() - clock, time.perf_counter()
@@ -212,14 +217,28 @@ class Trainer:
 
     # ---- pieces -------------------------------------------------------------------------------
 
-    def _rollout_seed(self) -> int:
-        """Distinct per step and per dp rank, and a pure function of both (exact resume)."""
-        return (self.cfg.grpo.seed * 1_000_003 + self.step) * 1009 + self.topo.dp_rank
+    def _generate(self, prompt_ids, n, seeds, greedy=False):
+        """Sample on the first rank of each tp group and share its completions with the group,
+        so that every rank trains on the same tokens."""
+        groups = None
+        if self.topo.tp_rank == 0:
+            groups = self.rollout.generate(prompt_ids, n=n, seeds=seeds, greedy=greedy)
+            self.rollout.sleep()
+        if self.tp_group is not None:
+            box = [groups]
+            torch.distributed.broadcast_object_list(box, src=self.topo.tp_source, group=self.tp_group)
+            groups = box[0]
+        return groups
+
+    def _sampling_seed(self, prompt_index: int) -> int:
+        """A pure function of (seed, step, prompt): the same samples whatever the layout, and
+        after a resume."""
+        return ((self.cfg.grpo.seed * 1_000_003 + self.step) * 1_000_033 + prompt_index) % 2**31
 
     def _record_prompts(self, indices: list[int]) -> None:
         """Append this step's prompt indices (all dp ranks) to output_dir/prompts_seen.jsonl,
         so that a resumed run can be checked for skipped or repeated data."""
-        everything = all_gather_1d(torch.tensor(indices, dtype=torch.long)).tolist()
+        everything = all_gather_1d(torch.tensor(indices, dtype=torch.long), self.dp_group).tolist()
         if self.topo.is_main:
             with open(os.path.join(self.cfg.output_dir, "prompts_seen.jsonl"), "a") as f:
                 f.write(json.dumps({"step": self.step + 1, "prompts": everything}) + "\n")
@@ -233,7 +252,7 @@ class Trainer:
         g = self.cfg.grpo
         tokens = float(batch.completion_mask.sum())
         if g.loss_type == "dapo":  # global token mean; DeepSpeed averages over dp ranks
-            tokens = float(all_reduce(torch.tensor([tokens], dtype=torch.float64))[0]) / self.topo.dp_size
+            tokens = float(all_reduce(torch.tensor([tokens], dtype=torch.float64), group=self.dp_group)[0]) / self.topo.dp_size
         return {"num_sequences": len(batch), "num_tokens": tokens,
                 "max_completion_length": self.cfg.rollout.max_new_tokens}
 
@@ -284,7 +303,7 @@ class Trainer:
         g = self.cfg.grpo
         out = stats.reduce()
         # DeepSpeed averages gradients over dp ranks: the step's loss is the mean of the ranks'
-        out["loss"] = float(all_reduce(torch.tensor([stats.loss]))[0]) / self.topo.dp_size / g.num_iterations
+        out["loss"] = float(all_reduce(torch.tensor([stats.loss]), group=self.dp_group)[0]) / self.topo.dp_size / g.num_iterations
         out.pop("sampling/sampling_logp_difference/min", None)
         grouped = global_rewards.view(-1, g.num_generations)
         out.update({
@@ -292,22 +311,22 @@ class Trainer:
             "reward_min": global_rewards.min(), "reward_max": global_rewards.max(),
             "frac_reward_zero_std": (grouped.std(dim=1) < 1e-6).float().mean(),
         })
-        global_per_function = [all_gather_1d(per_function[:, i].contiguous())
+        global_per_function = [all_gather_1d(per_function[:, i].contiguous(), self.dp_group)
                                for i in range(per_function.shape[1])]
         for rf, values in zip(self.reward_functions, global_per_function):
             out[f"rewards/{rf.name}/mean"] = values.mean()
             out[f"rewards/{rf.name}/std"] = values.std()
-        global_adv = all_gather_1d(advantages)
+        global_adv = all_gather_1d(advantages, self.dp_group)
         out["advantages/mean"], out["advantages/std"] = global_adv.mean(), global_adv.std()
-        lengths = all_gather_1d(torch.tensor([float(len(c.token_ids)) for c in completions]))
-        truncated = all_gather_1d(torch.tensor([float(c.truncated) for c in completions]))
+        lengths = all_gather_1d(torch.tensor([float(len(c.token_ids)) for c in completions]), self.dp_group)
+        truncated = all_gather_1d(torch.tensor([float(c.truncated) for c in completions]), self.dp_group)
         out.update({"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
                     "completions/max_length": lengths.max(),
                     "completions/clipped_ratio": truncated.mean()})
         out["learning_rate"] = self.policy.get_lr()[0]
         grad_norm = self.policy.get_global_grad_norm()
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
-        tokens = all_reduce(batch.attention_mask.sum().float().reshape(1).cpu())[0]
+        tokens = all_reduce(batch.attention_mask.sum().float().reshape(1).cpu(), group=self.dp_group)[0]
         out["tokens_per_second"] = tokens / max(sum(timings.values()), 1e-9)
         out.update({f"time/{k}": v for k, v in timings.items()})
         return {k: float(v) for k, v in out.items()}
@@ -323,14 +342,13 @@ class Trainer:
         shard = self.eval_prompts[self.topo.dp_rank::self.topo.dp_size]
         sums = torch.zeros(2 + len(self.reward_functions), dtype=torch.float64)
         if shard:  # fewer held-out prompts than ranks leaves some ranks without any
-            groups = self.rollout.generate([p.token_ids for p in shard], n=1, seed=0, greedy=True)
-            self.rollout.sleep()
+            groups = self._generate([p.token_ids for p in shard], n=1, seeds=[0] * len(shard), greedy=True)
             texts = self.tokenizer.batch_decode([grp[0].token_ids for grp in groups],
                                                 skip_special_tokens=True)
             total, per_function = self._rewards(shard, texts)
             sums = torch.cat([total.sum().reshape(1), per_function.sum(0),
                               torch.tensor([float(len(shard))])]).double()
-        sums = all_reduce(sums)
+        sums = all_reduce(sums, group=self.dp_group)
         count = float(sums[-1])
         out = {"reward": float(sums[0]) / count}
         for i, rf in enumerate(self.reward_functions):
@@ -380,6 +398,8 @@ def parse_args(argv=None):
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--timeout-minutes", type=float, default=30.0,
                    help="process-group timeout for collectives (default 30)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the layout and per-rank memory (as `megagrpo plan`) and exit")
     p.add_argument("overrides", nargs="*", help="key.sub=value settings applied after the YAML")
     return p.parse_args(argv)
 
@@ -391,7 +411,13 @@ def main(argv=None) -> int:
     except (ConfigError, DataError) as e:
         print(f"megagrpo: config error: {e}", file=sys.stderr)
         return 2
-    topology = init_distributed(args.timeout_minutes)
+    if args.dry_run:
+        if int(os.environ.get("RANK", "0")) == 0:
+            from .plan import format_plan, make_plan
+            print(format_plan(make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))))
+        return 0
+    topology = init_distributed(args.timeout_minutes, cfg.parallel.tensor_parallel_size,
+                                cfg.parallel.pipeline_parallel_size)
     try:
         Trainer(cfg, topology).train()
     except Exception as e:  # noqa: BLE001 - every failure must end this rank now

@@ -16,27 +16,41 @@ import torch
 
 
 def named_full_tensors(module: torch.nn.Module, bucket_mb: int = 256) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every parameter; ZeRO-3 partitions are gathered per bucket."""
+    """Yield (name, tensor) for every parameter, whole: ZeRO-3 partitions are gathered per
+    bucket, and AutoTP (tensor-parallel) shards are gathered per layer inside it."""
     bucket_bytes = bucket_mb * 2**20
-    bucket, size = [], 0
-    for name, param in module.named_parameters():
-        bucket.append((name, param))
-        size += getattr(param, "ds_numel", param.numel()) * param.element_size()
-        if size >= bucket_bytes:
-            yield from _gathered(bucket)
-            bucket, size = [], 0
+    bucket, size, seen = [], 0, set()
+    for module_name, owner in module.named_modules():
+        for name, param in owner.named_parameters(recurse=False):
+            if id(param) in seen:  # tied weights are sent once, under their first name
+                continue
+            seen.add(id(param))
+            bucket.append((f"{module_name}.{name}" if module_name else name, param, owner))
+            size += getattr(param, "ds_numel", param.numel()) * param.element_size()
+            if size >= bucket_bytes:
+                yield from _gathered(bucket)
+                bucket, size = [], 0
     if bucket:
         yield from _gathered(bucket)
 
 
 def _gathered(bucket):
-    params = [p for _, p in bucket]
+    params = [p for _, p, _ in bucket]
     partitioned = any(hasattr(p, "ds_id") for p in params)
     context = (deepspeed.zero.GatheredParameters(params, modifier_rank=None)
                if partitioned else contextlib.nullcontext())
     with context:
-        for name, param in bucket:
-            yield name, param.data
+        for name, param, owner in bucket:
+            with _tensor_parallel_gather(param, owner):
+                yield name, param.data
+
+
+def _tensor_parallel_gather(param, owner):
+    """Whole tensors out of an AutoTP-sharded layer (a no-op elsewhere)."""
+    if not getattr(param, "ds_is_replaced_module", False):
+        return contextlib.nullcontext()
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+    return GatherReplacedLayerParams([param], owner)
 
 
 def sync_weights(module: torch.nn.Module, rollout_engine, bucket_mb: int = 256) -> float:

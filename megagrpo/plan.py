@@ -1,0 +1,92 @@
+"""The layout of a run, before anything starts: which rank holds which shard, and the bytes of
+model state (parameters, gradients, optimizer) each rank will hold.
+
+    megagrpo plan --config X.yaml --world-size 16 [key.sub=value ...]
+    python -m megagrpo.train --dry-run --config X.yaml ...   (world size from the launcher)
+
+The model is built on the meta device (no memory, no weights read) to count its parameters.
+AutoTP splits the 2-D weights of the decoder layers over the tp ranks; embeddings, norms and
+the LM head are replicated. Bytes per parameter, DeepSpeed's mixed precision: float32
+training keeps 4 (weights) + 4 (gradients) + 8 (Adam moments); bfloat16 keeps 2 + 2 + 12
+(float32 master weights and moments). ZeRO stage 1 splits the optimizer state over the dp
+ranks, stage 2 the gradients too, stage 3 the weights too. The frozen reference model (when
+kl_coef > 0) holds weights only; the vLLM engine holds one whole copy of the weights plus its
+KV cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import Config, deepspeed_zero_stage
+
+BYTES = {"float32": (4, 4, 8), "bfloat16": (2, 2, 12)}
+
+
+@dataclass
+class Plan:
+    world_size: int
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    params_total: int
+    params_sharded: int          # split by tensor parallelism
+    per_rank: dict               # bytes: params, grads, optimizer, reference, rollout_weights
+    ranks: list                  # (rank, dp_rank, tp_rank, pp_stage)
+
+
+def count_parameters(model_path: str) -> tuple[int, int]:
+    """(all parameters, those AutoTP splits) from the model's config, on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sharded = 0
+    for name, param in model.named_parameters():
+        total += param.numel()
+        if ".layers." in name and param.dim() == 2:
+            sharded += param.numel()
+    return total, sharded
+
+
+def make_plan(cfg: Config, world_size: int) -> Plan:
+    tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    dp = world_size // (tp * pp)
+    stage = deepspeed_zero_stage(cfg)
+    total, sharded = count_parameters(cfg.model.name_or_path)
+    local = (sharded // tp + (total - sharded)) // pp  # one rank's share before ZeRO
+    weight_b, grad_b, optim_b = BYTES[cfg.model.dtype]
+    per_rank = {
+        "params": local * weight_b // (dp if stage >= 3 else 1),
+        "grads": local * grad_b // (dp if stage >= 2 else 1),
+        "optimizer": local * optim_b // (dp if stage >= 1 else 1),
+        "reference": (local * weight_b // (dp if stage >= 3 else 1)) if cfg.grpo.kl_coef > 0 else 0,
+        "rollout_weights": total * weight_b,
+    }
+    ranks = [(r, r // (tp * pp), r % tp, (r // tp) % pp) for r in range(world_size)]
+    return Plan(world_size, dp, tp, pp, stage, total, sharded, per_rank, ranks)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def format_plan(plan: Plan, max_rows: int = 16) -> str:
+    lines = [f"world {plan.world_size} = dp {plan.dp} x tp {plan.tp} x pp {plan.pp}; "
+             f"ZeRO stage {plan.zero_stage}",
+             f"model: {plan.params_total / 1e6:.2f}M parameters, {plan.params_sharded / 1e6:.2f}M "
+             f"split by tensor parallelism",
+             "", f"{'rank':>5} {'dp rank':>8} {'tp shard':>9} {'pp stage':>9}"]
+    for rank, dp_rank, tp_rank, stage in plan.ranks[:max_rows]:
+        lines.append(f"{rank:>5} {dp_rank:>8} {f'{tp_rank + 1}/{plan.tp}':>9} {stage:>9}")
+    if len(plan.ranks) > max_rows:
+        lines.append(f"  ... {len(plan.ranks) - max_rows} more ranks, same pattern")
+    lines += ["", "model state per rank:"]
+    for key, value in plan.per_rank.items():
+        lines.append(f"  {key:<16}{_gib(value):>14}")
+    training = sum(plan.per_rank[k] for k in ("params", "grads", "optimizer"))
+    lines.append(f"  {'trainer total':<16}{_gib(training):>14}  (params + grads + optimizer)")
+    return "\n".join(lines)

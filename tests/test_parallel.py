@@ -1,0 +1,99 @@
+"""Tensor parallel (DeepSpeed AutoTP) composed with ZeRO-3, proven equal to one rank: the
+step-1 loss and the parameters after 2 optimizer steps, vLLM co-located, through the deepspeed
+launcher. And the layouts that are refused at start-up, each with its message."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from megagrpo.config import ConfigError, load_config
+from conftest import BIN, free_port, run, tiny_overrides
+
+COMMON = ["data.eval_file=null", "grpo.max_steps=2", "grpo.learning_rate=1e-4",
+          "logging.sample_steps=0", "checkpoint.save_steps=0"]
+
+
+def _losses(out):
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    return [e.value for e in acc.Scalars("train/loss")]
+
+
+def _single_rank(tiny, out, completions_per_rank):
+    run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+         *tiny_overrides(tiny, out), *COMMON, f"grpo.per_device_train_batch_size={completions_per_rank}"])
+
+
+@pytest.mark.parametrize("ranks,tp", [(2, 2), (4, 2)])
+def test_tensor_parallel_equals_one_rank(tiny, tmp_path, ranks, tp):
+    dp = ranks // tp
+    reference, parallel = tmp_path / "one_rank", tmp_path / f"dp{dp}_tp{tp}"
+    _single_rank(tiny, reference, 16 * dp)  # the same global batch: 2 prompts x 8 per dp rank
+    proc = run([f"{BIN}/deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
+                "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+                *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
+                f"parallel.tensor_parallel_size={tp}", "deepspeed=configs/ds_zero3.json"],
+               timeout=1200)
+    assert f"world {ranks} = dp {dp} x tp {tp}" in proc.stdout
+    expected, got = _losses(reference), _losses(parallel)
+    assert len(got) == 2 and abs(got[0] - expected[0]) < 1e-5, (expected, got)
+    a = load_file(str(reference / "hf" / "model.safetensors"))
+    b = load_file(str(parallel / "hf" / "model.safetensors"))
+    start = load_file(os.path.join(tiny["warm"], "model.safetensors"))
+    assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-4  # training moved them
+    for name in a:
+        assert a[name].shape == b[name].shape, name  # exported whole, not as tp shards
+        torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=0, msg=name)
+    seen = [json.loads(line)["prompts"] for line in open(parallel / "prompts_seen.jsonl")]
+    assert seen == [json.loads(line)["prompts"] for line in open(reference / "prompts_seen.jsonl")]
+
+
+def test_refused_layouts(tiny, tmp_path, monkeypatch):
+    base = tiny_overrides(tiny, tmp_path)
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 with ZeRO stage 3: DeepSpeed "
+                                          r"runs pipelines with ZeRO stage 0 or 1 only"):
+        load_config("configs/tiny_arith.yaml", base + ["parallel.pipeline_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not divide the model's 2 "
+                                          r"attention heads"):
+        load_config("configs/tiny_arith.yaml", base + ["parallel.tensor_parallel_size=4"])
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"world size 3 is not divisible by tensor_parallel_size x "
+                                          r"pipeline_parallel_size = 2 x 1"):
+        load_config("configs/tiny_arith.yaml", base + ["parallel.tensor_parallel_size=2"])
+    monkeypatch.delenv("WORLD_SIZE")
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "num_attention_heads": 2,
+                                                   "num_hidden_layers": 2}))
+    with pytest.raises(ConfigError, match=r"no pipeline layer map for model_type 'gpt2'"):
+        load_config("configs/tiny_arith.yaml", base + [f"model.name_or_path={other}",
+                                                       "parallel.pipeline_parallel_size=2",
+                                                       "deepspeed=configs/ds_zero1.json"])
+
+
+def test_plan_counts_bytes_per_rank(tiny, tmp_path):
+    """The tiny model by hand: 2 layers x (q, k, v, o: 128x128; gate, up, down: 384x128) are
+    split by tp; embeddings 409x128, q/k/v biases, norms are replicated."""
+    sharded = 2 * (4 * 128 * 128 + 3 * 384 * 128)
+    replicated = 409 * 128 + 2 * 3 * 128 + 2 * 2 * 128 + 128
+    proc = run([f"{BIN}/megagrpo", "plan", "--config", "configs/tiny_arith.yaml", "--world-size", "4",
+                *tiny_overrides(tiny, tmp_path), "parallel.tensor_parallel_size=2"])
+    assert "world 4 = dp 2 x tp 2 x pp 1; ZeRO stage 3" in proc.stdout
+    assert "    3        1       2/2         0" in proc.stdout
+    from megagrpo.plan import count_parameters, make_plan
+    assert count_parameters(tiny["warm"]) == (sharded + replicated, sharded)
+    cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + ["parallel.tensor_parallel_size=2"])
+    per_rank = make_plan(cfg, 4).per_rank
+    local = sharded // 2 + replicated
+    assert per_rank["params"] == local * 4 // 2 and per_rank["grads"] == local * 4 // 2
+    assert per_rank["optimizer"] == local * 8 // 2 and per_rank["rollout_weights"] == (sharded + replicated) * 4
+    cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
+        "deepspeed=configs/ds_zero1.json", "model.dtype=bfloat16"])
+    per_rank = make_plan(cfg, 4).per_rank  # ZeRO-1: only the optimizer state is split
+    total = sharded + replicated
+    assert per_rank["params"] == total * 2 and per_rank["grads"] == total * 2
+    assert per_rank["optimizer"] == total * 12 // 4
