@@ -35,11 +35,12 @@ def test_torchrun_two_ranks(tiny, tmp_path):
 def test_readme_documents_every_config_key():
     readme = open(os.path.join(ROOT, "README.md")).read()
     for section in (config_module.ModelConfig, config_module.DataConfig, config_module.GRPOConfig,
+                    config_module.ParallelConfig,
                     config_module.RolloutConfig, config_module.CheckpointConfig,
                     config_module.LoggingConfig, config_module.RewardFunctionConfig,
                     config_module.RewardsConfig, config_module.Config):
         for f in dataclasses.fields(section):
-            assert f"| `{f.name}` |" in readme or f.name in ("model", "data", "grpo", "rollout",
+            assert f"| `{f.name}` |" in readme or f.name in ("model", "data", "grpo", "rollout", "parallel",
                                                              "rewards", "checkpoint", "logging"), f.name
     for alias in config_module.ALIASES:
         assert f"`{alias}`" in readme, alias

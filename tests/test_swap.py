@@ -1,6 +1,7 @@
 """The weight swap is real: after a training step and the in-place sync, vLLM scores a fixed
 completion exactly as the trainer does, and differently from before the step. Two ranks,
-ZeRO-3 (the sync gathers partitioned parameters), through the deepspeed launcher."""
+ZeRO-3 (the sync gathers partitioned parameters), through the deepspeed launcher; and with
+tensor parallelism (the sync also gathers AutoTP shards)."""
 import json
 import os
 
@@ -9,13 +10,13 @@ import pytest
 from conftest import BIN, free_port, run, tiny_overrides
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
-def test_swap_after_step(tiny, tmp_path, engine):
+@pytest.mark.parametrize("engine,tp", [("vllm", 1), ("hf", 1), ("vllm", 2)])
+def test_swap_after_step(tiny, tmp_path, engine, tp):
     out = tmp_path / "swap"
     run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
          "tests/helpers/swap_probe.py", "--config", "configs/tiny_arith.yaml",
          *tiny_overrides(tiny, out, **{"rollout.engine": engine, "grpo.learning_rate": 1e-3,
-                                       "grpo.max_steps": 1})])
+                                       "grpo.max_steps": 1, "parallel.tensor_parallel_size": tp})])
     for rank in (0, 1):
         r = json.load(open(os.path.join(out, f"swap_rank{rank}.json")))
         n = len(r["trainer_after"])

@@ -19,7 +19,7 @@ from megagrpo.train import Trainer, init_distributed, parse_args
 def main():
     args = parse_args(sys.argv[1:])
     cfg = load_config(args.config, args.overrides)
-    topology = init_distributed()
+    topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size)
     trainer = Trainer(cfg, topology)
     prompt = trainer.prompts[0].token_ids
     completion = trainer.tokenizer("3 + 4 = 7. Answer: 7", add_special_tokens=False)["input_ids"]
