@@ -27,7 +27,7 @@ from .config import Config, ConfigError, load_config
 from .data import DataError, Prompt, PromptSampler, load_prompts
 from .metrics import MetricsLogger, StepStats, all_gather_1d, all_reduce, progress_bar
 from .packing import balanced_microbatches
-from .model import build_policy, build_reference, deepspeed_config, load_tokenizer
+from .model import build_policy, build_reference, deepspeed_config, load_tokenizer, zero_stage
 from .rewards import RewardError, build_reward_functions, compute_rewards
 from .rollout import build_rollout_engine
 from .topology import Topology
@@ -94,7 +94,7 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.output_dir, topology.is_main and cfg.logging.report_to == "tensorboard")
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         os.makedirs(cfg.output_dir, exist_ok=True)
-        self.step = 0
+        self.step, self.grad_norm = 0, None
         self.log(topology.describe())
 
     # ---- the step -------------------------------------------------------------------------
@@ -212,8 +212,18 @@ class Trainer:
                 self.policy.backward(loss, scale_wrt_gas=False)
                 if rows:
                     self._record(stats, mb, loss, token, entropy, old_logp, is_weights)
+            self.grad_norm = self._grad_norm_before_step()
             self.policy.step()
         return stats
+
+    def _grad_norm_before_step(self):
+        """DeepSpeed reports the gradient norm under ZeRO and bf16, not for plain fp32 ZeRO-0:
+        there it is measured here (gradients are already averaged over dp)."""
+        if zero_stage(self.ds_config) != 0 or self.cfg.model.dtype != "float32":
+            return None
+        from deepspeed.runtime.utils import get_global_norm_of_tensors
+        grads = [p.grad for p in self.policy.module.parameters() if p.grad is not None]
+        return float(get_global_norm_of_tensors(grads, mpu=self.policy.mpu)) if grads else 0.0
 
     # ---- pieces -------------------------------------------------------------------------------
 
@@ -325,6 +335,8 @@ class Trainer:
                     "completions/clipped_ratio": truncated.mean()})
         out["learning_rate"] = self.policy.get_lr()[0]
         grad_norm = self.policy.get_global_grad_norm()
+        if grad_norm is None:
+            grad_norm = self.grad_norm
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         tokens = all_reduce(batch.attention_mask.sum().float().reshape(1).cpu(), group=self.dp_group)[0]
         out["tokens_per_second"] = tokens / max(sum(timings.values()), 1e-9)
