@@ -90,7 +90,7 @@ def test_plan_counts_bytes_per_rank(tiny, tmp_path):
     per_rank = make_plan(cfg, 4).per_rank
     local = sharded // 2 + replicated
     assert per_rank["params"] == local * 4 // 2 and per_rank["grads"] == local * 4 // 2
-    assert per_rank["optimizer"] == local * 8 // 2 and per_rank["rollout_weights"] == (sharded + replicated) * 4
+    assert per_rank["optimizer"] == local * 12 // 2 and per_rank["rollout_weights"] == (sharded + replicated) * 4
     cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
         "deepspeed=configs/ds_zero1.json", "model.dtype=bfloat16"])
     per_rank = make_plan(cfg, 4).per_rank  # ZeRO-1: only the optimizer state is split
