@@ -439,6 +439,7 @@ def main(argv=None) -> int:
         # other ranks may wait in a collective: exit without teardown so the launcher sees the
         # failure and stops them, instead of everyone hanging until the process-group timeout
         os._exit(1)
+    torch.distributed.barrier()  # leave together (vLLM's exit hook tears its groups down)
     return 0
 
 

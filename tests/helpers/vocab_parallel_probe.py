@@ -46,6 +46,8 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"vocab_parallel_rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    dist.barrier()  # leave together: a rank exiting with a live gloo group can abort the other
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
