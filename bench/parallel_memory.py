@@ -82,6 +82,7 @@ def probe(model, out_dir, tp):
     after = live_tensor_bytes()
     with open(os.path.join(out_dir, f"rank{topology.rank}.json"), "w") as f:
         json.dump({"state_bytes": after - before, "step_s": min(times[1:])}, f)
+    torch.distributed.barrier()  # leave together
 
 
 def main():

@@ -42,6 +42,7 @@ def main():
     os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, f"swap_rank{topology.rank}.json"), "w") as f:
         json.dump(result, f)
+    torch.distributed.barrier()  # leave together
 
 
 if __name__ == "__main__":
