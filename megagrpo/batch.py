@@ -13,6 +13,9 @@ import torch
 from .rollout import Completion
 
 
+_FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")
+
+
 @dataclass
 class RolloutBatch:
     input_ids: torch.Tensor         # (B, P + C)
@@ -37,16 +40,14 @@ class RolloutBatch:
         index = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
         P = int(self.prompt_lens[index].max())
         C = max(1, int(self.completion_lens[index].max()))
-        columns = {"input_ids": slice(self.prompt_width - P, self.prompt_width + C),
-                   "attention_mask": slice(self.prompt_width - P, self.prompt_width + C),
-                   "position_ids": slice(self.prompt_width - P, self.prompt_width + C)}
+        full_width = slice(self.prompt_width - P, self.prompt_width + C)  # prompt + completion
         values = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 value = value[index]
                 if value.dim() == 2:
-                    value = value[:, columns.get(f.name, slice(0, C))]
+                    value = value[:, full_width if f.name in _FULL_WIDTH else slice(0, C)]
             values[f.name] = value
         values["prompt_width"] = P
         return RolloutBatch(**values)

@@ -245,18 +245,22 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _canonical(key: str, value: Any) -> tuple[str, Any]:
+    """A seed (TRL) name -> its dotted place; use_vllm -> rollout.engine."""
+    if key == "use_vllm":
+        _require(isinstance(value, bool), f"use_vllm: expected true or false, got {value!r}")
+        return "rollout.engine", "vllm" if value else "hf"
+    return ALIASES.get(key, key), value
+
+
 def _apply_aliases(raw: dict) -> dict:
-    out = {}
+    out: dict = {}
     for key, value in raw.items():
-        if key == "use_vllm":
-            _require(isinstance(value, bool), f"use_vllm: expected true or false, got {value!r}")
-            _set_dotted(out, "rollout.engine", "vllm" if value else "hf")
-        elif key in ALIASES:
-            _set_dotted(out, ALIASES[key], value)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key].update(value)
+        dotted, value = _canonical(key, value)
+        if dotted == key and isinstance(value, dict):  # a section: merge with aliases seen so far
+            out.setdefault(key, {}).update(value)
         else:
-            out[key] = value
+            _set_dotted(out, dotted, value)
     return out
 
 
@@ -354,11 +358,7 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
             raise ConfigError(f"config file '{path}' must hold a mapping of sections")
     raw = _apply_aliases(raw)
     for text in overrides:
-        key, value = parse_override(text)
-        if key == "use_vllm":
-            _require(isinstance(value, bool), f"use_vllm: expected true or false, got {value!r}")
-            key, value = "rollout.engine", "vllm" if value else "hf"
-        _set_dotted(raw, ALIASES.get(key, key), value)
+        _set_dotted(raw, *_canonical(*parse_override(text)))
     rewards = raw.get("rewards")
     if isinstance(rewards, dict) and isinstance(rewards.get("functions"), list):
         rewards["functions"] = [

@@ -127,11 +127,17 @@ def naive_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          temperature: float = 1.0,
                          with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Reference: the same quantities through the full (..., V) logits."""
-    logits = _chunk_logits(hidden, weight, temperature)
-    logp_all = logits.log_softmax(dim=-1)
+    logp, entropy = logprobs_from_logits(hidden @ weight.T, targets, temperature)
+    return logp, (entropy if with_entropy else None)
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor,
+                         temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits / temperature)[target] and the entropy (no gradient), in at least
+    float32: the full-logits path."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    logp_all = (logits.to(acc) / temperature).log_softmax(dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
     return logp, entropy

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .fused_logprobs import fused_token_logprobs
+from .fused_logprobs import fused_token_logprobs, logprobs_from_logits
 from .packing import pack
 
 
@@ -65,12 +65,7 @@ def _forward(model, input_ids, position_ids, attention_mask, positions, targets,
         head.request = None
     if fused:
         return out[:, 0], out[:, 1]
-    logits = out.reshape(-1, out.shape[-1])[positions]
-    logp_all = (logits.float() / temperature).log_softmax(dim=-1)
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
-    return logp, entropy
+    return logprobs_from_logits(out.reshape(-1, out.shape[-1])[positions], targets, temperature)
 
 
 def _head(model) -> LogprobHead:
@@ -108,7 +103,7 @@ def completion_logprobs(model, batch, temperature: float, packing: bool = True,
                      + torch.arange(P - 1, P - 1 + C, device=device)[None, :]).reshape(-1)
         logp, entropy = _forward(model, batch.input_ids, batch.position_ids, batch.attention_mask,
                                  positions, batch.completion_ids.reshape(-1), temperature, fused)
-        index = batch.completion_mask.nonzero(as_tuple=True)
+        index = (torch.arange(C, device=device)[None, :] < batch.completion_lens[:, None]).nonzero(as_tuple=True)
         logp, entropy = logp.view(B, C)[index], entropy.view(B, C)[index]
     zeros = torch.zeros(batch.completion_ids.shape, dtype=logp.dtype, device=device)
     return zeros.index_put(index, logp), zeros.index_put(index, entropy.detach())

@@ -184,8 +184,7 @@ class Trainer:
         timings["weight_sync"] = sync_weights(self.policy.module, self.rollout, cfg.rollout.sync_bucket_mb)
         if self.topo.is_main and cfg.logging.sample_steps and (self.step + 1) % cfg.logging.sample_steps == 0:
             self._log_samples(prompts[0], texts[:g.num_generations], rewards[:g.num_generations])
-        return self._step_metrics(global_rewards, per_function, advantages, completions, batch,
-                                  stats, timings)
+        return self._step_metrics(global_rewards, per_function, advantages, batch, stats, timings)
 
     def optimize(self, batch: RolloutBatch, micro_batches: list[list[int]]) -> StepStats:
         """mu passes over the batch in micro-batches; one optimizer step per pass."""
@@ -308,8 +307,8 @@ class Trainer:
             stats.add_mean("sampling/importance_sampling_ratio/mean", is_weights, mask)
             stats.add_extrema("sampling/importance_sampling_ratio", is_weights, mask)
 
-    def _step_metrics(self, global_rewards, per_function, advantages, completions, batch,
-                      stats: StepStats, timings: dict) -> dict:
+    def _step_metrics(self, global_rewards, per_function, advantages, batch, stats: StepStats,
+                      timings: dict) -> dict:
         g = self.cfg.grpo
         out = stats.reduce()
         # DeepSpeed averages gradients over dp ranks: the step's loss is the mean of the ranks'
@@ -321,15 +320,16 @@ class Trainer:
             "reward_min": global_rewards.min(), "reward_max": global_rewards.max(),
             "frac_reward_zero_std": (grouped.std(dim=1) < 1e-6).float().mean(),
         })
-        global_per_function = [all_gather_1d(per_function[:, i].contiguous(), self.dp_group)
-                               for i in range(per_function.shape[1])]
-        for rf, values in zip(self.reward_functions, global_per_function):
+        # one gather for every per-completion statistic: (N, functions + 4) on each dp rank
+        columns = [advantages, batch.completion_lens, batch.truncated,
+                   batch.prompt_lens + batch.completion_lens]
+        per_completion = torch.cat([per_function] + [c.cpu().float()[:, None] for c in columns], dim=1)
+        gathered = all_gather_1d(per_completion.reshape(-1), self.dp_group).view(-1, per_completion.shape[1])
+        *function_columns, global_adv, lengths, truncated, tokens = gathered.unbind(dim=1)
+        for rf, values in zip(self.reward_functions, function_columns):
             out[f"rewards/{rf.name}/mean"] = values.mean()
             out[f"rewards/{rf.name}/std"] = values.std()
-        global_adv = all_gather_1d(advantages, self.dp_group)
         out["advantages/mean"], out["advantages/std"] = global_adv.mean(), global_adv.std()
-        lengths = all_gather_1d(torch.tensor([float(len(c.token_ids)) for c in completions]), self.dp_group)
-        truncated = all_gather_1d(torch.tensor([float(c.truncated) for c in completions]), self.dp_group)
         out.update({"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
                     "completions/max_length": lengths.max(),
                     "completions/clipped_ratio": truncated.mean()})
@@ -338,8 +338,7 @@ class Trainer:
         if grad_norm is None:
             grad_norm = self.grad_norm
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
-        tokens = all_reduce(batch.attention_mask.sum().float().reshape(1).cpu(), group=self.dp_group)[0]
-        out["tokens_per_second"] = tokens / max(sum(timings.values()), 1e-9)
+        out["tokens_per_second"] = tokens.sum() / max(sum(timings.values()), 1e-9)
         out.update({f"time/{k}": v for k, v in timings.items()})
         return {k: float(v) for k, v in out.items()}
 

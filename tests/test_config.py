@@ -1,5 +1,4 @@
 """Config: YAML + overrides, aliases, and the start-up errors (key, value, fix)."""
-import subprocess
 import sys
 
 import pytest
