@@ -65,13 +65,16 @@ def test_two_rank_zero3_vllm_run_logs_and_resumes(tiny, tmp_path):
 
 def test_hf_export_loads_in_transformers_and_matches(tiny, tmp_path):
     """The final HF folder equals the live model: logits of the exported model are those of
-    a model loaded from the last DeepSpeed checkpoint's consolidated weights."""
+    a model loaded from the last DeepSpeed checkpoint's consolidated weights; vLLM loads the
+    folder unchanged and decodes greedily what transformers decodes. Trained with gradient
+    checkpointing on."""
     import torch
     from transformers import AutoModelForCausalLM
     out = tmp_path / "run"
     run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
          *tiny_overrides(tiny, out), "rollout.engine=hf", "grpo.max_steps=2",
-         "grpo.per_device_train_batch_size=16", "grpo.learning_rate=1e-3"])
+         "grpo.per_device_train_batch_size=16", "grpo.learning_rate=1e-3",
+         "model.gradient_checkpointing=true"])
     exported = AutoModelForCausalLM.from_pretrained(str(out / "hf"), dtype=torch.float32)
     original = AutoModelForCausalLM.from_pretrained(tiny["warm"], dtype=torch.float32)
     ids = torch.tensor([[1, 5, 9, 13, 2]])
@@ -80,6 +83,10 @@ def test_hf_export_loads_in_transformers_and_matches(tiny, tmp_path):
     state = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step_00000002")
     original.load_state_dict(state, strict=False)
     torch.testing.assert_close(exported(ids).logits, original(ids).logits, atol=1e-5, rtol=0)
+    vllm = json.loads(run([sys.executable, "tests/helpers/vllm_greedy.py", str(out / "hf")]).stdout.splitlines()[-1])
+    prompt = torch.tensor([vllm["prompt"]])
+    expected = exported.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:]
+    assert vllm["tokens"] == expected.tolist()[:len(vllm["tokens"])] and len(vllm["tokens"]) > 1
 
 
 def test_reward_that_raises_stops_the_run(tiny, tmp_path):
