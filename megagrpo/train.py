@@ -52,10 +52,28 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
+    release_shm_allreduce_name()
     topology = Topology.from_env(tp_size, pp_size)
     if torch.cuda.is_available():
         torch.cuda.set_device(topology.local_rank)
     return topology
+
+
+def release_shm_allreduce_name() -> None:
+    """Unlink this rank's /dev/shm all-reduce buffer name once every rank has mapped it.
+
+    DeepSpeed's CPU shared-memory all-reduce creates a ~70 MB /dev/shm file per rank and never
+    unlinks it, so each run would leak RAM until reboot. The mappings stay valid after unlinking.
+    """
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if torch.cuda.is_available() or not addr or not port:
+        return
+    dist.barrier()
+    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"
+    if os.path.exists(name):
+        os.unlink(name)
 
 
 class Trainer:

@@ -55,3 +55,20 @@ def write_jsonl(path, rows):
         for row in rows:
             f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
     return str(path)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove DeepSpeed shm all-reduce files left by ranks killed before they unlinked them
+    (only old ones: a job starting elsewhere needs its files until all its ranks have mapped them)."""
+    import time
+
+    shm = "/dev/shm"
+    if os.path.isdir(shm):
+        for name in os.listdir(shm):
+            path = os.path.join(shm, name)
+            if name.startswith("deepspeed_allreduce_buffer_"):
+                try:
+                    if time.time() - os.stat(path).st_mtime > 300:
+                        os.unlink(path)
+                except OSError:
+                    pass

@@ -10,11 +10,13 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.fused_logprobs import fused_token_logprobs, naive_token_logprobs
+from megagrpo.train import release_shm_allreduce_name
 
 
 def main():
     out_dir = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]
     deepspeed.init_distributed()
+    release_shm_allreduce_name()
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for N, H, V, chunk, temperature in [(37, 16, 101, 8, 1.0), (64, 32, 257, 100, 0.7), (5, 8, 11, 2, 1.3)]:
