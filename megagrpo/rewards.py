@@ -4,14 +4,20 @@ A reward function is `fn(prompts, completions, **fields) -> list[float]`: one fl
 completion, where `fields` holds every other row field as a list aligned with `completions`
 (plus the `args` of its config entry). A function that raises, returns the wrong count, or
 returns NaN/inf stops the run with an error naming the function and the sample.
+
+A reward may also be a class: it is built once per process as `cls(config=<Config or None>,
+**args)` (a sandbox pool, a reward model) and the instance is called like a function. A
+function may return `Scores`: its floats plus per-completion components and reasons, which the
+trainer logs as `rewards/<name>/<component>` and eval writes to its samples file.
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -20,6 +26,16 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 class RewardError(RuntimeError):
     """A reward function misbehaved; the message names the function and the sample."""
+
+
+class Scores(list):
+    """A reward function's floats, plus `components` ({name: one float per completion}, the
+    same names on every call) and `reasons` (one string per completion, "" for none)."""
+
+    def __init__(self, values, components: Optional[dict] = None, reasons: Optional[list] = None):
+        super().__init__(values)
+        self.components = dict(components or {})
+        self.reasons = list(reasons) if reasons is not None else [""] * len(self)
 
 
 def _parse_number(text: str):
@@ -64,13 +80,25 @@ BUILTINS: dict[str, Callable] = {
     "length_penalty": length_penalty,
 }
 
+# The reward suite: built-ins that live in their own modules (imported when used).
+SUITE: dict[str, str] = {
+    "customer_service": "megagrpo.rewards_text:customer_service",
+    "math_accuracy": "megagrpo.rewards_text:math_accuracy",
+    "think_answer_format": "megagrpo.rewards_text:think_answer_format",
+    "overlong_penalty": "megagrpo.rewards_text:overlong_penalty",
+    "code": "megagrpo.rewards_code:CodeReward",
+    "reward_model": "megagrpo.reward_model:RewardModel",
+}
+
 
 def resolve(name: str) -> Callable:
-    """A built-in name or `package.module:function`."""
+    """A built-in name or `package.module:function` (or a class, see the module docstring)."""
     if name in BUILTINS:
         return BUILTINS[name]
+    if name in SUITE:
+        return resolve(SUITE[name])
     if ":" not in name:
-        raise RewardError(f"reward '{name}' is not a built-in ({', '.join(BUILTINS)}) nor a "
+        raise RewardError(f"reward '{name}' is not a built-in ({', '.join([*BUILTINS, *SUITE])}) nor a "
                           "dotted path module:function")
     module_name, attr = name.split(":", 1)
     try:
@@ -90,9 +118,28 @@ class RewardFunction:
     args: dict
 
 
-def build_reward_functions(configs) -> list[RewardFunction]:
-    return [RewardFunction(name=c.name, fn=resolve(c.name), weight=c.weight, args=dict(c.args))
-            for c in configs]
+def build_reward_functions(configs, config=None) -> list[RewardFunction]:
+    """One RewardFunction per config entry; a class is instantiated here with the trainer's
+    `config` and the entry's args (which then are not passed again on each call)."""
+    functions = []
+    for c in configs:
+        target = resolve(c.name)
+        if inspect.isclass(target):
+            try:
+                functions.append(RewardFunction(c.name, target(config=config, **c.args), c.weight, {}))
+            except Exception as e:
+                raise RewardError(f"reward '{c.name}' could not be built: {type(e).__name__}: {e}") from e
+        else:
+            functions.append(RewardFunction(c.name, target, c.weight, dict(c.args)))
+    return functions
+
+
+def close_reward_functions(functions: list[RewardFunction]) -> None:
+    """Release what class-based rewards hold (sandbox workers)."""
+    for rf in functions:
+        close = getattr(rf.fn, "close", None)
+        if callable(close):
+            close()
 
 
 def _sample(prompts, completions, i) -> str:
@@ -100,17 +147,20 @@ def _sample(prompts, completions, i) -> str:
 
 
 def compute_rewards(functions: list[RewardFunction], prompts: list, completions: list[str],
-                    fields: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (weighted total (N,), per-function matrix (N, F)), all float32 and finite."""
+                    fields: dict[str, list], details: Optional[dict] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (weighted total (N,), per-function matrix (N, F)), all float32 and finite.
+    With `details` (a dict), fills details["components"] {"<fn>/<component>": (N,)} and
+    details["reasons"] {"<fn>": [str] * N} from functions that return Scores."""
     n = len(completions)
     columns = []
     for rf in functions:
         try:
-            values = rf.fn(prompts, completions, **fields, **rf.args)
+            raw = rf.fn(prompts, completions, **fields, **rf.args)
         except Exception as e:
             raise RewardError(f"reward function '{rf.name}' raised {type(e).__name__}: {e} "
                               f"(batch of {n}; first {_sample(prompts, completions, 0)})") from e
-        values = list(values) if values is not None else []
+        values = list(raw) if raw is not None else []
         if len(values) != n:
             raise RewardError(f"reward function '{rf.name}' returned {len(values)} values for "
                               f"{n} completions; it must return one float per completion")
@@ -119,6 +169,11 @@ def compute_rewards(functions: list[RewardFunction], prompts: list, completions:
                 raise RewardError(f"reward function '{rf.name}' returned {v!r} for "
                                   f"{_sample(prompts, completions, i)}; rewards must be finite floats")
         columns.append(torch.tensor(values, dtype=torch.float32))
-    per_function = torch.stack(columns, dim=1)
+        if details is not None and isinstance(raw, Scores):
+            for key, column in raw.components.items():
+                details.setdefault("components", {})[f"{rf.name}/{key}"] = torch.tensor(
+                    [float(v) for v in column], dtype=torch.float32)
+            details.setdefault("reasons", {})[rf.name] = raw.reasons
+    per_function = torch.stack(columns, dim=1) if columns else torch.zeros(n, 0)
     weights = torch.tensor([rf.weight for rf in functions], dtype=torch.float32)
     return per_function @ weights, per_function
