@@ -3,6 +3,7 @@
     megagrpo train --config X.yaml key.sub=value ...   (same as python -m megagrpo.train)
     megagrpo validate --config X.yaml key.sub=value ... (check the config, build nothing)
     megagrpo plan --config X.yaml --world-size N ...    (layout and memory per rank)
+    megagrpo eval --model PATH --data FILE [--config X.yaml] [key.sub=value ...]
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ commands:
   train      run GRPO training (see `megagrpo train --help`)
   validate   check a config and its overrides without building anything
   plan       print the layout (dp/tp/pp per rank) and the model-state bytes per rank
+  eval       evaluate a model on a held-out file (rewards, pass@k, BLEU, ROUGE, perplexity)
 """
 
 
@@ -72,6 +74,9 @@ def main(argv=None) -> int:
         return validate(rest)
     if command == "plan":
         return plan(rest)
+    if command == "eval":
+        from .evaluation import main as eval_main
+        return eval_main(rest)
     print(f"megagrpo: unknown command '{command}'\n{USAGE}", file=sys.stderr)
     return 2
 

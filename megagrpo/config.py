@@ -52,6 +52,8 @@ class DataConfig:
     """Prompts longer than this (in tokens, after the chat template) are dropped and counted."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded)."""
+    reference_field: str = "reference"
+    """Row field holding a reference answer text for eval's BLEU, ROUGE and perplexity."""
 
 
 @dataclass
@@ -155,7 +157,8 @@ class RolloutConfig:
 @dataclass
 class RewardFunctionConfig:
     name: str = ""
-    """Built-in name (answer_match, format, length_penalty) or dotted path module:function."""
+    """Built-in name (answer_match, format, length_penalty, customer_service, math_accuracy,
+    think_answer_format, overlong_penalty, code, reward_model) or dotted path module:function."""
     weight: float = 1.0
     """Weight of this function in the summed reward."""
     args: dict = field(default_factory=dict)
@@ -190,6 +193,8 @@ class LoggingConfig:
     """Log sample prompts and completions as text every N steps (0: never)."""
     eval_steps: int = 0
     """Held-out accuracy every N steps (0: only before and after training)."""
+    eval_num_generations: int = 1
+    """Completions per held-out prompt: 1 is greedy; n > 1 samples n for pass@k (k <= n)."""
     progress_bar: bool = True
     """A progress bar on rank 0 with step, reward and step time."""
 
@@ -343,8 +348,9 @@ def _build(cls, raw: Any, path: str):
     return cls(**kwargs)
 
 
-def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
-    """Read a YAML file, apply `key.sub=value` overrides, build and validate the Config."""
+def load_config(path: Optional[str], overrides: list[str] = (), training: bool = True) -> Config:
+    """Read a YAML file, apply `key.sub=value` overrides, build and validate the Config
+    (training=False: for `megagrpo eval`, which needs no reward function)."""
     raw: dict = {}
     if path:
         if not os.path.isfile(path):
@@ -367,7 +373,7 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
             for i, fn in enumerate(rewards["functions"])
         ]
     cfg = _build(Config, raw, "")
-    validate(cfg)
+    validate(cfg, training)
     return cfg
 
 
@@ -376,7 +382,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, training: bool = True) -> None:
     """Ranges, divisibility and files; relative paths are taken from the working directory."""
     g = cfg.grpo
     _require(bool(cfg.model.name_or_path),
@@ -401,6 +407,7 @@ def validate(cfg: Config) -> None:
                            ("grpo.max_tokens_per_microbatch", g.max_tokens_per_microbatch, 0),
                            ("grpo.logprob_chunk_size", g.logprob_chunk_size, 1),
                            ("logging.logging_steps", cfg.logging.logging_steps, 1),
+                           ("logging.eval_num_generations", cfg.logging.eval_num_generations, 1),
                            ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1)]:
         _require(value >= lo, f"{key}: {value} is below the minimum {lo}")
     _require(g.learning_rate > 0, f"grpo.learning_rate: {g.learning_rate} must be > 0")
@@ -435,7 +442,7 @@ def validate(cfg: Config) -> None:
              f"completions per rank per step is not divisible by grpo.num_generations = "
              f"{g.num_generations}: whole groups must stay on one rank; use a multiple of "
              f"{g.num_generations}")
-    _require(len(cfg.rewards.functions) > 0,
+    _require(len(cfg.rewards.functions) > 0 or not training,
              "rewards.functions is empty: add at least one, e.g. "
              "[{name: answer_match, weight: 1.0}]")
     from .rewards import RewardError, resolve

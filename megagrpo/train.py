@@ -28,7 +28,8 @@ from .data import DataError, Prompt, PromptSampler, load_prompts
 from .metrics import MetricsLogger, StepStats, all_gather_1d, all_reduce, progress_bar
 from .packing import balanced_microbatches
 from .model import build_policy, build_reference, deepspeed_config, load_tokenizer, zero_stage
-from .rewards import RewardError, build_reward_functions, compute_rewards
+from .rewards import (RewardError, build_reward_functions, close_reward_functions,
+                      component_metrics, compute_rewards)
 from .rollout import build_rollout_engine
 from .topology import Topology
 from .weight_sync import sync_weights
@@ -93,7 +94,7 @@ class Trainer:
             self.eval_prompts, _ = load_prompts(cfg.data.eval_file, self.tokenizer,
                                                 cfg.data.max_prompt_length, cfg.data.prompt_field,
                                                 cfg.data.system_prompt, cfg.data.eval_split)
-        self.reward_functions = build_reward_functions(cfg.rewards.functions)
+        self.reward_functions = build_reward_functions(cfg.rewards.functions, cfg)
         completions_per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
         self.sampler = PromptSampler(len(self.prompts), completions_per_rank // g.num_generations,
                                      topology.dp_rank, topology.dp_size, g.seed, cfg.data.shuffle)
@@ -155,6 +156,7 @@ class Trainer:
             previous = json.load(open(path)) if os.path.isfile(path) else {}
             with open(path, "w") as f:
                 json.dump({**previous, **results}, f, indent=1)
+        close_reward_functions(self.reward_functions)
         self.metrics.close()
         self.log(f"done: {self.step} steps. Watch with: tensorboard --logdir {self.metrics.log_dir}")
         return results
@@ -176,7 +178,7 @@ class Trainer:
 
         # rewards and group advantages (groups never leave their rank; batch std is global)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        rewards, per_function = self._rewards(prompt_of, texts)
+        rewards, per_function = self._rewards(prompt_of, texts, [len(c.token_ids) for c in completions])
         global_rewards = all_gather_1d(rewards, self.dp_group)
         advantages = grpo.group_advantages(rewards, g.num_generations, g.scale_rewards,
                                            batch_std=global_rewards.std())
@@ -270,9 +272,15 @@ class Trainer:
             with open(os.path.join(self.cfg.output_dir, "prompts_seen.jsonl"), "a") as f:
                 f.write(json.dumps({"step": self.step + 1, "prompts": everything}) + "\n")
 
-    def _rewards(self, prompts: list[Prompt], texts: list[str]):
+    def _rewards(self, prompts: list[Prompt], texts: list[str], lengths: list[int]):
+        """Weighted total and per-function rewards; components of the suite's rewards are kept
+        in self.reward_details for the step metrics."""
         fields = {key: [p.fields.get(key) for p in prompts] for key in prompts[0].fields}
-        return compute_rewards(self.reward_functions, [p.prompt for p in prompts], texts, fields)
+        fields["completion_length"] = lengths
+        fields["max_new_tokens"] = [self.cfg.rollout.max_new_tokens] * len(texts)
+        self.reward_details = {}
+        return compute_rewards(self.reward_functions, [p.prompt for p in prompts], texts, fields,
+                               self.reward_details)
 
     def _loss_normalisers(self, batch: RolloutBatch) -> dict:
         """What the chosen aggregation divides by, for the whole step (see grpo.aggregate)."""
@@ -347,6 +355,7 @@ class Trainer:
         for rf, values in zip(self.reward_functions, function_columns):
             out[f"rewards/{rf.name}/mean"] = values.mean()
             out[f"rewards/{rf.name}/std"] = values.std()
+        out.update(component_metrics(self.reward_details, self.dp_group))
         out["advantages/mean"], out["advantages/std"] = global_adv.mean(), global_adv.std()
         out.update({"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
                     "completions/max_length": lengths.max(),
@@ -366,23 +375,23 @@ class Trainer:
                           f"**prompt:** {str(prompt.prompt)[:300]!r}\n\n| reward | completion |\n|---|---|\n{rows}")
 
     def evaluate(self) -> dict:
-        """Greedy completions of this rank's share of the held-out prompts, scored by the
-        reward functions; returns the global mean reward, total and per function."""
-        shard = self.eval_prompts[self.topo.dp_rank::self.topo.dp_size]
-        sums = torch.zeros(2 + len(self.reward_functions), dtype=torch.float64)
-        if shard:  # fewer held-out prompts than ranks leaves some ranks without any
-            groups = self._generate([p.token_ids for p in shard], n=1, seeds=[0] * len(shard), greedy=True)
-            texts = self.tokenizer.batch_decode([grp[0].token_ids for grp in groups],
-                                                skip_special_tokens=True)
-            total, per_function = self._rewards(shard, texts)
-            sums = torch.cat([total.sum().reshape(1), per_function.sum(0),
-                              torch.tensor([float(len(shard))])]).double()
-        sums = all_reduce(sums, group=self.dp_group)
-        count = float(sums[-1])
-        out = {"reward": float(sums[0]) / count}
-        for i, rf in enumerate(self.reward_functions):
-            out[f"rewards/{rf.name}"] = float(sums[1 + i]) / count
-        return out
+        """This rank's share of the held-out prompts through the rollout engine, scored by the
+        reward functions and the text metrics (see evaluation.py); every completion goes to
+        output_dir/eval_samples/step_N.jsonl. Returns the global metrics."""
+        from . import evaluation
+
+        indices = list(range(self.topo.dp_rank, len(self.eval_prompts), self.topo.dp_size))
+        score = self.rollout.score if self.rollout is not None else None
+        records = evaluation.score_prompts(
+            [self.eval_prompts[i] for i in indices], indices, self._generate, score, self.tokenizer,
+            self.reward_functions, sorted(self.eval_prompts[0].fields), self.cfg.logging.eval_num_generations,
+            self.cfg.data.reference_field, self.cfg.rollout.max_new_tokens, self.cfg.grpo.seed)
+        records = evaluation.gather_records(records, self.dp_group)
+        if self.topo.is_main:
+            evaluation.write_samples(os.path.join(self.cfg.output_dir, "eval_samples",
+                                                  f"step_{self.step:08d}.jsonl"), records)
+        return evaluation.summarize(records, [rf.name for rf in self.reward_functions],
+                                    self.cfg.logging.eval_num_generations)
 
     def maybe_resume(self) -> None:
         resume = self.cfg.checkpoint.resume

@@ -1,0 +1,243 @@
+"""Evaluation on a held-out set: during training (`logging.eval_steps`, before and after) and
+as `megagrpo eval --model PATH --data FILE`.
+
+Per held-out prompt the rollout engine (the same vLLM or transformers engine as training)
+writes `logging.eval_num_generations` completions (greedy when 1, sampled otherwise); then:
+
+- reward: mean of the weighted reward, and `rewards/<fn>` per function, over all completions
+- pass@k/<fn>: for k = 1, 2, 4, ... <= n, the unbiased estimator 1 - C(n-c, k) / C(n, k)
+  averaged over prompts, a completion counting as correct when the function gives it 1.0
+- bleu (sacrebleu corpus BLEU), rouge1/rouge2/rougeL (rouge-score F1, stemmed), on the first
+  completion of each row that has a reference (`data.reference_field`)
+- perplexity: exp(mean negative log-likelihood per token) of the references given their
+  prompts, under the model being evaluated (the rollout engine scores them)
+- distinct_1/2/3: distinct n-grams / all n-grams over all completions (whitespace tokens)
+
+Results go to TensorBoard (`eval/*`) and JSON, and every completion with its scores and
+reasons to a samples file (JSONL).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+from .rewards import compute_rewards
+
+
+# ---- metrics (pure functions of texts and counts) ----------------------------------------------
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    # the product form of C(n-c, k) / C(n, k), stable for large n
+    ratio = 1.0
+    for i in range(n - c + 1, n + 1):
+        ratio *= 1.0 - k / i
+    return 1.0 - ratio
+
+
+def pass_k_values(n: int) -> list[int]:
+    ks, k = [], 1
+    while k <= n:
+        ks.append(k)
+        k *= 2
+    return ks if not ks or ks[-1] == n else ks + [n]
+
+
+def distinct_n(texts: list[str], n: int) -> float:
+    """Distinct n-grams over all n-grams of all texts (whitespace tokens); 0 when none."""
+    grams = [tuple(words[i:i + n]) for words in (t.split() for t in texts)
+             for i in range(len(words) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def bleu(hypotheses: list[str], references: list[str]) -> float:
+    """sacrebleu's corpus BLEU (0-100), one reference per hypothesis."""
+    import sacrebleu
+    return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+
+
+def rouge(hypotheses: list[str], references: list[str]) -> dict:
+    """Mean ROUGE-1/2/L F1 (rouge-score, Porter stemming), each in [0, 1]."""
+    from rouge_score import rouge_scorer
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    sums = {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0}
+    for hyp, ref in zip(hypotheses, references):
+        for key, score in scorer.score(ref, hyp).items():
+            sums[key] += score.fmeasure
+    return {k: v / len(hypotheses) for k, v in sums.items()}
+
+
+def perplexity(logprob_sums: list[float], token_counts: list[int]) -> float:
+    """exp(-sum log p / tokens) over all reference tokens."""
+    tokens = sum(token_counts)
+    return math.exp(-sum(logprob_sums) / tokens) if tokens else float("nan")
+
+
+# ---- generation and scoring ---------------------------------------------------------------------
+
+def score_prompts(prompts, indices: list[int], generate, score, tokenizer, reward_functions,
+                  field_names: list[str], num_generations: int, reference_field: str,
+                  max_new_tokens: int, seed: int) -> list[dict]:
+    """Records of this rank's held-out prompts: completions, rewards, reasons and reference
+    log-likelihood. `generate(prompt_ids, n, seeds, greedy)` is the rollout engine's (or the
+    trainer's, which shares samples within a model group); `score(token_ids, prompt_len)`
+    gives the log-probs of the tail (None: no perplexity). compute_rewards runs even with no
+    prompts, since a reward model's forward passes are collective."""
+    n = num_generations
+    texts, lengths = [], []
+    if prompts:
+        groups = generate([p.token_ids for p in prompts], n=n,
+                          seeds=[seed * 1_000_003 + i for i in indices], greedy=n == 1)
+        for group in groups:
+            texts.append(tokenizer.batch_decode([c.token_ids for c in group], skip_special_tokens=True))
+            lengths.append([len(c.token_ids) for c in group])
+    flat_prompts = [p for p in prompts for _ in range(n)]
+    fields = {key: [p.fields.get(key) for p in flat_prompts] for key in field_names}
+    fields["completion_length"] = [x for row in lengths for x in row]
+    fields["max_new_tokens"] = [max_new_tokens] * len(flat_prompts)
+    details = {}
+    total, per_function = compute_rewards(reward_functions, [p.prompt for p in flat_prompts],
+                                          [t for row in texts for t in row], fields, details)
+    reasons = details.get("reasons", {})
+    records = []
+    for j, prompt in enumerate(prompts):
+        rows = slice(j * n, (j + 1) * n)
+        reference = prompt.fields.get(reference_field)
+        record = {"index": indices[j], "prompt": prompt.prompt, "reference": reference,
+                  "completions": texts[j], "reward": total[rows].tolist(),
+                  "rewards": {rf.name: per_function[rows, f].tolist()
+                              for f, rf in enumerate(reward_functions)},
+                  "reasons": {name: r[rows] for name, r in reasons.items()},
+                  "ref_logprob": None, "ref_tokens": 0}
+        if reference is not None and score is not None:
+            ref_ids = tokenizer(str(reference), add_special_tokens=False)["input_ids"][:max_new_tokens]
+            if ref_ids:
+                logprobs = score(list(prompt.token_ids) + ref_ids, len(prompt.token_ids))
+                record["ref_logprob"], record["ref_tokens"] = float(sum(logprobs)), len(ref_ids)
+        records.append(record)
+    return records
+
+
+def gather_records(records: list[dict], group=None) -> list[dict]:
+    """Every dp rank's records on every rank, ordered by held-out index."""
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, records, group=group)
+        records = [r for part in parts for r in part]
+    return sorted(records, key=lambda r: r["index"])
+
+
+def summarize(records: list[dict], function_names: list[str], num_generations: int) -> dict:
+    """The metrics of the module docstring from all records."""
+    totals = [v for r in records for v in r["reward"]]
+    out = {"reward": sum(totals) / len(totals) if totals else float("nan")}
+    for name in function_names:
+        values = [v for r in records for v in r["rewards"][name]]
+        out[f"rewards/{name}"] = sum(values) / len(values) if values else float("nan")
+    for name in function_names:
+        for k in pass_k_values(num_generations):
+            per_prompt = [pass_at_k(num_generations, sum(v >= 1.0 - 1e-6 for v in r["rewards"][name]), k)
+                          for r in records]
+            out[f"pass@{k}/{name}"] = sum(per_prompt) / len(per_prompt) if per_prompt else float("nan")
+    referenced = [r for r in records if r["reference"] is not None]
+    if referenced:
+        hyps = [r["completions"][0] for r in referenced]
+        refs = [str(r["reference"]) for r in referenced]
+        out["bleu"] = bleu(hyps, refs)
+        out.update(rouge(hyps, refs))
+        scored = [r for r in referenced if r["ref_logprob"] is not None]
+        if scored:
+            out["perplexity"] = perplexity([r["ref_logprob"] for r in scored],
+                                           [r["ref_tokens"] for r in scored])
+    everything = [t for r in records for t in r["completions"]]
+    for n in (1, 2, 3):
+        out[f"distinct_{n}"] = distinct_n(everything, n)
+    return out
+
+
+def write_samples(path: str, records: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r, default=str) + "\n")
+
+
+# ---- `megagrpo eval` ----------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="megagrpo eval",
+        description="Generate with the rollout engine on a held-out file and report rewards, "
+                    "pass@k, BLEU, ROUGE, perplexity and distinct-n (JSON, TensorBoard, samples).")
+    p.add_argument("--model", required=True, help="HF model folder (e.g. a run's output_dir/hf)")
+    p.add_argument("--data", required=True, help="held-out JSONL/JSON/Parquet/CSV file or hub name")
+    p.add_argument("--config", help="experiment YAML for rewards, rollout and data settings")
+    p.add_argument("--output", default=None,
+                   help="folder for eval_results.json, eval_samples.jsonl and tensorboard/ "
+                        "(default: <model>/eval)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value settings (e.g. rollout.engine=hf)")
+    args = p.parse_args(argv)
+
+    from .config import ConfigError, load_config
+    from .data import DataError, load_prompts
+    from .metrics import MetricsLogger
+    from .model import load_tokenizer
+    from .rewards import RewardError, build_reward_functions, close_reward_functions
+    from .rollout import build_rollout_engine
+    from .train import init_distributed
+
+    overrides = list(args.overrides) + [f"model.name_or_path={args.model}",
+                                        f"data.eval_file={args.data}", f"data.train_file={args.data}"]
+    try:
+        cfg = load_config(args.config, overrides, training=False)
+    except (ConfigError, DataError) as e:
+        print(f"megagrpo: config error: {e}", file=sys.stderr)
+        return 2
+    output = args.output or os.path.join(args.model, "eval")
+    topology = init_distributed()
+    try:
+        tokenizer = load_tokenizer(cfg.model.name_or_path)
+        prompts, dropped = load_prompts(cfg.data.eval_file, tokenizer, cfg.data.max_prompt_length,
+                                        cfg.data.prompt_field, cfg.data.system_prompt, cfg.data.eval_split)
+        functions = build_reward_functions(cfg.rewards.functions, cfg)
+        rollout = build_rollout_engine(cfg, seed=cfg.grpo.seed + topology.rank)
+        indices = list(range(topology.rank, len(prompts), topology.world_size))
+        records = score_prompts([prompts[i] for i in indices], indices, rollout.generate, rollout.score,
+                                tokenizer, functions, sorted(prompts[0].fields) if prompts else [],
+                                cfg.logging.eval_num_generations, cfg.data.reference_field,
+                                cfg.rollout.max_new_tokens, cfg.grpo.seed)
+        records = gather_records(records)
+        results = summarize(records, [f.name for f in functions], cfg.logging.eval_num_generations)
+        close_reward_functions(functions)
+    except (DataError, RewardError) as e:
+        print(f"megagrpo: error: {e}", file=sys.stderr)
+        return 1
+    if topology.is_main:
+        os.makedirs(output, exist_ok=True)
+        results_with_meta = {**results, "num_prompts": len(records), "dropped_prompts": dropped,
+                             "num_generations": cfg.logging.eval_num_generations}
+        with open(os.path.join(output, "eval_results.json"), "w") as f:
+            json.dump(results_with_meta, f, indent=1)
+        write_samples(os.path.join(output, "eval_samples.jsonl"), records)
+        logger = MetricsLogger(output, cfg.logging.report_to == "tensorboard")
+        logger.scalars(0, {f"eval/{k}": v for k, v in results.items()})
+        logger.close()
+        for key, value in results.items():
+            print(f"{key:>24s}  {value:.4f}")
+        print(f"results: {os.path.join(output, 'eval_results.json')}")
+    torch.distributed.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
