@@ -177,3 +177,18 @@ def compute_rewards(functions: list[RewardFunction], prompts: list, completions:
     per_function = torch.stack(columns, dim=1) if columns else torch.zeros(n, 0)
     weights = torch.tensor([rf.weight for rf in functions], dtype=torch.float32)
     return per_function @ weights, per_function
+
+
+def component_metrics(details: dict, group=None) -> dict:
+    """`rewards/<fn>/<component>` means over the ranks of `group` (every rank runs the same
+    functions, so every rank has the same component names)."""
+    from .metrics import all_reduce
+
+    components = details.get("components", {})
+    if not components:
+        return {}
+    keys = sorted(components)
+    sums = torch.tensor([[float(components[k].sum()), float(components[k].numel())] for k in keys],
+                        dtype=torch.float64)
+    sums = all_reduce(sums, group=group)
+    return {f"rewards/{k}": float(s / max(c, 1.0)) for k, (s, c) in zip(keys, sums.tolist())}
