@@ -1,0 +1,91 @@
+"""Sandbox throughput: executions per second of a trivial passing program, side by side:
+bubblewrap + rlimits (the default), rlimits only, and a plain `python3 -I` subprocess (no
+sandbox, the floor), each with 1, 2 and 4 parallel workers; plus the code reward end to end
+(harness + one unit test) under bubblewrap.
+
+    python bench/sandbox_throughput.py [--executions 200]
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megagrpo.rewards_code import CodeReward  # noqa: E402
+from megagrpo.sandbox import Sandbox, SandboxPool, sandbox_python  # noqa: E402
+
+PROGRAM = "print(sum(range(10)))"
+
+
+def plain_run(_):
+    out = subprocess.run([sandbox_python(), "-I", "-B", "-c", PROGRAM], capture_output=True, text=True)
+    assert out.stdout.strip() == "45"
+
+
+def rate(fn, executions, workers) -> float:
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(fn, range(min(8, executions))))  # warm-up
+        start = time.perf_counter()
+        list(pool.map(fn, range(executions)))
+        return executions / (time.perf_counter() - start)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--executions", type=int, default=200)
+    p.add_argument("--out", default="bench/results/sandbox_throughput.json")
+    args = p.parse_args()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sandboxes = {"bwrap+rlimits": Sandbox(mode="strict"), "rlimits only": Sandbox(mode="rlimits")}
+
+    def sandboxed(sb):
+        def run(_):
+            r = sb.run(PROGRAM)
+            assert r.ok and r.stdout.strip() == "45", r
+        return run
+
+    rows = []
+    for workers in (1, 2, 4):
+        plain = rate(plain_run, args.executions, workers)
+        for name, sb in sandboxes.items():
+            per_s = rate(sandboxed(sb), args.executions, workers)
+            rows.append({"variant": name, "workers": workers, "executions_per_s": per_s,
+                         "ms_per_execution": 1000 / per_s, "vs_plain": per_s / plain})
+        rows.append({"variant": "plain subprocess", "workers": workers, "executions_per_s": plain,
+                     "ms_per_execution": 1000 / plain, "vs_plain": 1.0})
+    for workers in (1, 2, 4):
+        reward = CodeReward(sandbox="strict", workers=workers)
+        n = args.executions
+        completions = ["```python\ndef add(a, b):\n    return a + b\n```"] * n
+        reward(["q"] * 8, completions[:8], tests=[["assert add(1, 2) == 3"]] * 8)
+        start = time.perf_counter()
+        scores = reward(["q"] * n, completions, tests=[["assert add(1, 2) == 3"]] * n)
+        elapsed = time.perf_counter() - start
+        assert list(scores) == [1.0] * n
+        reward.close()
+        rows.append({"variant": "code reward (bwrap)", "workers": workers,
+                     "executions_per_s": n / elapsed, "ms_per_execution": 1000 * elapsed / n,
+                     "vs_plain": None})
+
+    print(f"{'variant':<22} {'workers':>7} {'exec/s':>8} {'ms/exec':>8} {'vs plain':>9}")
+    for r in rows:
+        ratio = f"{r['vs_plain']:.2f}" if r["vs_plain"] is not None else "-"
+        print(f"{r['variant']:<22} {r['workers']:>7} {r['executions_per_s']:>8.1f} "
+              f"{r['ms_per_execution']:>8.1f} {ratio:>9}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                   "executions": args.executions, "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
