@@ -109,13 +109,13 @@ def math_accuracy(prompts, completions, answer=None, **_) -> list[float]:
     if answer is None:
         raise ValueError("math_accuracy needs an 'answer' field in every data row")
     timeout = _math_timeout()
+    delimited = lambda text: text if "$" in text or "\\boxed" in text else f"${text.strip()}$"  # noqa: E731
     scores = []
     for completion, reference in zip(completions, answer):
-        reference = str(reference)
-        gold = parse(reference if "$" in reference or "\\" in reference else f"${reference}$",
-                     parsing_timeout=timeout)
+        gold = parse(delimited(str(reference)), parsing_timeout=timeout)
         tagged = _ANSWER_TAG.findall(completion)
-        predicted = parse(tagged[-1] if tagged else completion, parsing_timeout=timeout)
+        # an <answer> tag holds a bare expression: read it as LaTeX math
+        predicted = parse(delimited(tagged[-1]) if tagged else completion, parsing_timeout=timeout)
         ok = bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=timeout)
         scores.append(1.0 if ok else 0.0)
     return scores
