@@ -2,7 +2,8 @@
 
 Each execution is a fresh process tree:
 
-    [as root: setuid to an unused uid] prlimit <rlimits> -- bwrap <namespaces, mounts> -- python3 -I -B /sandbox/main.py
+    [as root: setuid to an unused uid] setpriv --pdeathsig KILL -- prlimit <rlimits> --
+        bwrap <namespaces, mounts> -- python3 -I -B /sandbox/main.py
 
 - bubblewrap (Debian `bubblewrap`): new user, pid, net, ipc, uts (and cgroup) namespaces; the
   system's /usr read-only, the program read-only at /sandbox/main.py, an empty size-capped
@@ -15,7 +16,8 @@ Each execution is a fresh process tree:
   only that execution's processes (a fork bomb's dying processes cannot starve the next
   execution), and root-only files stay closed.
 - a wall-clock timeout and an output cap, enforced from here: past either the whole sandbox is
-  killed (its pid namespace dies with it).
+  killed (its pid namespace dies with it); if the trainer dies, so does the sandbox
+  (parent-death signal).
 
 Where bubblewrap is missing or cannot create namespaces, `mode="auto"` falls back to rlimits
 only (a scrubbed environment and a fresh working directory, no isolation of the file system or
@@ -111,6 +113,8 @@ class Sandbox:
         self.python = python or sandbox_python()
         self.bwrap = shutil.which("bwrap")
         self.prlimit = shutil.which("prlimit")
+        self.setpriv = shutil.which("setpriv")
+        self.kill = shutil.which("kill")
         self.as_root = os.geteuid() == 0
         self._count, self._count_lock = 0, threading.Lock()
         self.isolated = False
@@ -162,9 +166,11 @@ class Sandbox:
 
     def _command(self, program_path: str) -> list[str]:
         inner = [self.python, "-I", "-B", "/sandbox/main.py" if self.isolated else program_path]
+        # killed if the thread that started it dies (a crashed trainer leaves no sandbox behind)
+        outer = [self.setpriv, "--pdeathsig", "KILL", "--"] if self.setpriv else []
         if self.isolated:
-            return self._rlimit_args() + self._bwrap_args(program_path) + inner
-        return self._rlimit_args() + inner
+            return outer + self._rlimit_args() + self._bwrap_args(program_path) + inner
+        return outer + self._rlimit_args() + inner
 
     def _probe_bwrap(self) -> str | None:
         """None when bubblewrap runs a trivial program here, else why not."""
@@ -224,9 +230,20 @@ class Sandbox:
             except OSError as e:
                 return ExecResult("sandbox_error", f"could not start the sandbox: {e}", None, "", "",
                                   time.perf_counter() - start)
-            return self._supervise(proc, stdin.encode(), start)
+            try:
+                return self._supervise(proc, stdin.encode(), start)
+            finally:
+                if not self.isolated and uid is not None:
+                    self._kill_uid(uid)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+
+    def _kill_uid(self, uid: int) -> None:
+        """rlimits only: what the program forked may have left its process group; every
+        process of the execution's own uid is killed (`kill -KILL -1` run as that uid)."""
+        if self.kill:
+            subprocess.run([self.kill, "-KILL", "-1"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, **self._user_kwargs(uid))
 
     def _supervise(self, proc: subprocess.Popen, stdin: bytes, start: float) -> ExecResult:
         """Feed stdin, collect capped output, enforce the wall clock; always reaps the process."""
@@ -235,21 +252,32 @@ class Sandbox:
         out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         out = {out_fd: bytearray(), err_fd: bytearray()}
         stopped = None
-        try:
-            if stdin:
-                proc.stdin.write(stdin[: 16 * 2**20])
-            proc.stdin.close()
-        except OSError:  # the program exited or closed stdin without reading it
-            pass
+        pending = memoryview(stdin[: 16 * 2**20])
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
             sel.register(proc.stderr, selectors.EVENT_READ)
+            if pending:  # fed as the program reads it: a program that never reads cannot block us
+                os.set_blocking(proc.stdin.fileno(), False)
+                sel.register(proc.stdin, selectors.EVENT_WRITE)
+            else:
+                proc.stdin.close()
             while sel.get_map():
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     stopped = "timeout"
                     break
                 for key, _ in sel.select(timeout=min(left, 0.5)):
+                    if key.fileobj is proc.stdin:
+                        try:
+                            pending = pending[os.write(key.fd, pending[:65536]):]
+                        except BlockingIOError:
+                            continue
+                        except OSError:  # the program closed stdin or exited
+                            pending = pending[:0]
+                        if not pending:
+                            sel.unregister(proc.stdin)
+                            proc.stdin.close()
+                        continue
                     chunk = os.read(key.fd, 65536)
                     if not chunk:
                         sel.unregister(key.fileobj)
@@ -269,8 +297,8 @@ class Sandbox:
             stopped = stopped or "timeout"
             self._kill(proc)
             returncode = proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            stream.close()
         wall = time.perf_counter() - start
         stdout = out[out_fd][: lim.output_bytes].decode(errors="replace")
         stderr = out[err_fd][: lim.output_bytes].decode(errors="replace")

@@ -295,3 +295,25 @@ def test_bubblewrap_isolation_facts():
     assert set(facts["root"]) <= {"usr", "bin", "lib", "lib64", "sbin", "proc", "dev", "tmp", "sandbox"}
     assert facts["ifaces"] == ["lo"] and facts["usr"] in (errno.EROFS, errno.EACCES)
     assert signal.getsignal(signal.SIGCHLD) is not None  # this process's handlers are untouched
+
+
+def test_stdin_is_fed_without_blocking_and_rlimits_mode_cleans_up():
+    sb = Sandbox(SandboxLimits(**LIMITS), mode="strict")
+    big = "x" * (4 * 2**20)
+    r = sb.run("import sys\nprint(len(sys.stdin.read()))", stdin=big)
+    assert r.ok and r.stdout.strip() == str(len(big))
+    start = time.perf_counter()  # a program that never reads 4 MB of stdin still times out on time
+    r = sb.run("import time\ntime.sleep(60)", stdin=big)
+    assert r.status == "timeout" and time.perf_counter() - start < TIMEOUT_S + 2
+    with pytest.warns(RuntimeWarning):
+        loose = Sandbox(SandboxLimits(**LIMITS), mode="rlimits")
+    # a forked child that leaves the process group and outlives the program is killed too
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n"
+            "else:\n    print('parent done')")
+    r = loose.run(code)
+    assert "parent done" in r.stdout
+    if os.geteuid() == 0:
+        deadline = time.time() + 3
+        while sandbox_processes() and time.time() < deadline:
+            time.sleep(0.05)
+        assert sandbox_processes() == []
