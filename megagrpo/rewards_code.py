@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import secrets
 
 from .rewards import Scores
@@ -50,7 +51,6 @@ _megagrpo_harness()
 
 def extract_code(completion: str) -> str:
     """The last ```python fenced block, else the last fenced block, else the whole text."""
-    import re
     for pattern in (_FENCE_PYTHON, _FENCE_ANY):
         blocks = re.findall(pattern, completion, re.DOTALL)
         if blocks:
@@ -124,7 +124,6 @@ class CodeReward:
         for i, nonce, result in zip(where, nonces, self.pool.run_many(jobs)):
             if not result.ok:
                 status[i], reasons[i] = result.status, result.reason
-                comp["syntax"][i] = 1.0
                 continue
             report = parse_result(result.stdout, nonce)
             if report is None:

@@ -348,7 +348,6 @@ class SandboxPool:
         self.sandbox = sandbox
         self.workers = max(1, workers)
         self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="megagrpo-sandbox")
-        self._lock = threading.Lock()
 
     def run_many(self, jobs: list[tuple[str, str]]) -> list[ExecResult]:
         """[(code, stdin)] -> [ExecResult] in the same order. A failure of the machinery itself
