@@ -91,11 +91,12 @@ class CodeReward:
 
     def __init__(self, config=None, syntax_weight: float = 0.2, tests_weight: float = 0.6,
                  efficiency_weight: float = 0.2, time_budget_s: float = 1.0, workers: int = 2,
+                 batch_budget_s: float = 60.0,
                  sandbox: str = "auto", timeout_s: float = 5.0, cpu_s: int = 5,
                  memory_mb: int = 1024, file_size_mb: int = 16, processes: int = 16,
                  open_files: int = 64, output_bytes: int = 65536):
         self.weights = (syntax_weight, tests_weight, efficiency_weight)
-        self.time_budget_s = time_budget_s
+        self.time_budget_s, self.batch_budget_s = time_budget_s, batch_budget_s
         limits = SandboxLimits(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
                                file_size_mb=file_size_mb, open_files=open_files,
                                processes=processes, output_bytes=output_bytes)
@@ -121,7 +122,7 @@ class CodeReward:
             jobs.append((HARNESS, json.dumps({"nonce": nonce, "code": code, "tests": _tests_of(tests[i])})))
             where.append(i)
             nonces.append(nonce)
-        for i, nonce, result in zip(where, nonces, self.pool.run_many(jobs)):
+        for i, nonce, result in zip(where, nonces, self.pool.run_many(jobs, self.batch_budget_s)):
             if not result.ok:
                 status[i], reasons[i] = result.status, result.reason
                 continue

@@ -349,10 +349,21 @@ class SandboxPool:
         self.workers = max(1, workers)
         self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="megagrpo-sandbox")
 
-    def run_many(self, jobs: list[tuple[str, str]]) -> list[ExecResult]:
+    def run_many(self, jobs: list[tuple[str, str]], budget_s: float | None = None) -> list[ExecResult]:
         """[(code, stdin)] -> [ExecResult] in the same order. A failure of the machinery itself
-        (not of the program) becomes a sandbox_error result, never an exception."""
-        futures = [self._executor.submit(self.sandbox.run, code, stdin) for code, stdin in jobs]
+        (not of the program) becomes a sandbox_error result, never an exception. With
+        `budget_s`, a job that has not started when the batch has run that long is not run
+        (status timeout), so that a batch of hostile programs costs about budget_s + timeout_s,
+        not len(jobs) / workers x timeout_s."""
+        deadline = time.perf_counter() + budget_s if budget_s else None
+
+        def run(code, stdin):
+            if deadline is not None and time.perf_counter() > deadline:
+                return ExecResult("timeout", f"not run: the batch's time budget of {budget_s:g} s "
+                                  "was spent before its turn", None, "", "", 0.0)
+            return self.sandbox.run(code, stdin)
+
+        futures = [self._executor.submit(run, code, stdin) for code, stdin in jobs]
         results = []
         for future in futures:
             try:

@@ -317,3 +317,16 @@ def test_stdin_is_fed_without_blocking_and_rlimits_mode_cleans_up():
         while sandbox_processes() and time.time() < deadline:
             time.sleep(0.05)
         assert sandbox_processes() == []
+
+
+def test_batch_time_budget_bounds_a_batch_of_hostile_programs():
+    """6 sleepers, 2 workers, 0.8 s each, a 1 s batch budget: 4 run (two rounds), 2 are not run."""
+    reward = CodeReward(sandbox="strict", workers=2, batch_budget_s=1.0, **{**LIMITS, "timeout_s": 0.8})
+    start = time.perf_counter()
+    s = reward(["q"] * 6, ["import time\ntime.sleep(60)"] * 6, tests=[["assert True"]] * 6)
+    elapsed = time.perf_counter() - start
+    reward.close()
+    assert list(s) == [0.0] * 6 and s.components["fail/timeout"] == [1.0] * 6
+    assert sum("wall-clock" in r for r in s.reasons) == 4
+    assert sum("time budget" in r for r in s.reasons) == 2
+    assert elapsed < 0.8 * 3
