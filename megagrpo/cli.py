@@ -49,14 +49,28 @@ def plan(argv) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
                    help="ranks in the job (default: $WORLD_SIZE or 1)")
+    p.add_argument("--hostfile", help="take the world size from a hostfile's slots (launch/*.sh)")
+    p.add_argument("--num-nodes", type=int, help="with --hostfile: only its first N hosts")
+    p.add_argument("--slots-per-node", type=int, help="with --hostfile: ranks per host")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    nodes = None
+    if args.hostfile:
+        from .hostfile import HostfileError, describe, parse_hostfile, select
+        try:
+            hosts = select(parse_hostfile(args.hostfile), args.num_nodes, args.slots_per_node)
+        except HostfileError as e:
+            print(f"megagrpo: hostfile error: {e}", file=sys.stderr)
+            return 2
+        args.world_size, nodes = sum(h.slots for h in hosts), describe(hosts)
     os.environ["WORLD_SIZE"] = str(args.world_size)  # validation checks the layout against it
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"megagrpo: config error: {e}", file=sys.stderr)
         return 2
+    if nodes:
+        print(nodes)
     print(format_plan(make_plan(cfg, args.world_size)))
     return 0
 

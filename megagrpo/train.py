@@ -45,14 +45,18 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
     """Create the job's process group (one plain process gets a world of one)."""
     import deepspeed
 
-    if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
+    if "RANK" not in os.environ and not mpirun and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         # srun started the ranks: map SLURM's variables (MASTER_ADDR/PORT come from the script)
         os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
                           LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
-    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+    if "RANK" not in os.environ and not mpirun:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
+    # under mpirun DeepSpeed's MPI discovery (mpi4py) sets RANK/WORLD_SIZE/LOCAL_RANK and
+    # MASTER_ADDR; it would set MASTER_PORT to its default 29500 unless told the launcher's
+    deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes),
+                               distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     release_shm_allreduce_name()
     topology = Topology.from_env(tp_size, pp_size)
     if torch.cuda.is_available():
