@@ -157,3 +157,24 @@ def test_grpo_with_code_reward_and_reward_model(tiny, tmp_path):
     completions = [c for r in records for c in r["completions"]]
     got = [v for r in records for v in r["rewards"]["reward_model"]]
     assert got == pytest.approx(reference_scores(rm, prompts, completions), abs=1e-4)
+
+
+def test_megagrpo_eval_needs_no_reward_function(tiny, tmp_path):
+    """Text metrics only, on the transformers engine, output next to the model by default."""
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(tiny["warm"], model)
+    rows = code_rows(os.path.join(tiny["data"], "eval.jsonl"), 3, with_reference=True)
+    data = write_jsonl(tmp_path / "held_out.jsonl", rows)
+    run([f"{BIN}/megagrpo", "eval", "--model", str(model), "--data", data, "rollout.engine=hf",
+         "rollout.max_new_tokens=16", "data.max_prompt_length=64"])
+    results = json.load(open(model / "eval" / "eval_results.json"))
+    assert not any(k.startswith(("rewards/", "pass@")) for k in results)
+    records = [json.loads(line) for line in open(model / "eval" / "eval_samples.jsonl")]
+    hyps = [r["completions"][0] for r in records]
+    import sacrebleu
+    assert results["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [[r["reference"] for r in rows]]).score)
+    assert results["perplexity"] > 1.0 and 0 <= results["distinct_2"] <= 1
+    proc = run([f"{BIN}/megagrpo", "eval", "--model", str(model), "--data", data, "rollout.engine=hf",
+                "logging.eval_num_generations=0"], check=False)
+    assert proc.returncode == 2 and "logging.eval_num_generations: 0 is below the minimum 1" in proc.stderr
