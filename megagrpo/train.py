@@ -381,7 +381,8 @@ class Trainer:
     def evaluate(self) -> dict:
         """This rank's share of the held-out prompts through the rollout engine, scored by the
         reward functions and the text metrics (see evaluation.py); every completion goes to
-        output_dir/eval_samples/step_N.jsonl. Returns the global metrics."""
+        output_dir/eval_samples/step_N.jsonl, the metrics to output_dir/eval_history.jsonl.
+        Returns the global metrics."""
         from . import evaluation
 
         indices = list(range(self.topo.dp_rank, len(self.eval_prompts), self.topo.dp_size))
@@ -391,11 +392,14 @@ class Trainer:
             self.reward_functions, sorted(self.eval_prompts[0].fields), self.cfg.logging.eval_num_generations,
             self.cfg.data.reference_field, self.cfg.rollout.max_new_tokens, self.cfg.grpo.seed)
         records = evaluation.gather_records(records, self.dp_group)
+        metrics = evaluation.summarize(records, [rf.name for rf in self.reward_functions],
+                                       self.cfg.logging.eval_num_generations)
         if self.topo.is_main:
             evaluation.write_samples(os.path.join(self.cfg.output_dir, "eval_samples",
                                                   f"step_{self.step:08d}.jsonl"), records)
-        return evaluation.summarize(records, [rf.name for rf in self.reward_functions],
-                                    self.cfg.logging.eval_num_generations)
+            with open(os.path.join(self.cfg.output_dir, "eval_history.jsonl"), "a") as f:
+                f.write(json.dumps({"step": self.step, **metrics}) + "\n")
+        return metrics
 
     def maybe_resume(self) -> None:
         resume = self.cfg.checkpoint.resume

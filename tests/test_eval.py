@@ -150,6 +150,9 @@ def test_grpo_with_code_reward_and_reward_model(tiny, tmp_path):
     for name in ("bleu", "rouge1", "rougeL", "perplexity", "distinct_1", "pass@1/code", "pass@2/code",
                  "rewards/code", "rewards/reward_model"):
         assert values[f"eval/{name}"], name
+    history = [json.loads(line) for line in open(out / "eval_history.jsonl")]
+    assert [h["step"] for h in history] == [0, 2, 2]  # before, eval_steps, after
+    assert history[1]["bleu"] == pytest.approx(values["eval/bleu"][0][1], rel=1e-6)
     # the reward model's scores under ZeRO-3 on 2 ranks equal a plain forward of the same texts
     records = [json.loads(line) for line in open(out / "eval_samples" / "step_00000000.jsonl")]
     assert len(records) == 4
