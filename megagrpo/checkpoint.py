@@ -149,9 +149,10 @@ def load(engine, path: str, rank: int) -> dict:
 
 
 def export_hf(module, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 2048,
-              bucket_mb: int = 256) -> None:
+              bucket_mb: int = 256, tensors=None) -> None:
     """Collective: write an HF folder that AutoModelForCausalLM and vLLM load unchanged.
-    Tensors stream bucket by bucket into safetensors shards on the main rank."""
+    Tensors (`tensors`, by default named_full_tensors(module)) stream bucket by bucket into
+    safetensors shards on the main rank."""
     from safetensors.torch import save_file
 
     if is_main:
@@ -170,7 +171,7 @@ def export_hf(module, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 20
             weight_map.update({k: name for k in shard})
             shard, shard_bytes = {}, 0
 
-    for name, tensor in named_full_tensors(module, bucket_mb):
+    for name, tensor in tensors if tensors is not None else named_full_tensors(module, bucket_mb):
         if not is_main:
             continue
         shard[name] = tensor.detach().to("cpu", copy=True).contiguous()

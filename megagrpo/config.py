@@ -54,6 +54,10 @@ class DataConfig:
     """Reshuffle the prompts every epoch (seeded)."""
     reference_field: str = "reference"
     """Row field holding a reference answer text for eval's BLEU, ROUGE and perplexity."""
+    reference_field: str = "reference"
+    """Row field holding a reference answer text for eval's BLEU, ROUGE and perplexity."""
+    reference_field: str = "reference"
+    """Row field holding a reference answer text for eval's BLEU, ROUGE and perplexity."""
 
 
 @dataclass
@@ -193,6 +197,10 @@ class LoggingConfig:
     """Log sample prompts and completions as text every N steps (0: never)."""
     eval_steps: int = 0
     """Held-out accuracy every N steps (0: only before and after training)."""
+    eval_num_generations: int = 1
+    """Completions per held-out prompt: 1 is greedy; n > 1 samples n for pass@k (k <= n)."""
+    eval_num_generations: int = 1
+    """Completions per held-out prompt: 1 is greedy; n > 1 samples n for pass@k (k <= n)."""
     eval_num_generations: int = 1
     """Completions per held-out prompt: 1 is greedy; n > 1 samples n for pass@k (k <= n)."""
     progress_bar: bool = True
@@ -408,6 +416,8 @@ def validate(cfg: Config, training: bool = True) -> None:
                            ("grpo.logprob_chunk_size", g.logprob_chunk_size, 1),
                            ("logging.logging_steps", cfg.logging.logging_steps, 1),
                            ("logging.eval_num_generations", cfg.logging.eval_num_generations, 1),
+                           ("logging.eval_num_generations", cfg.logging.eval_num_generations, 1),
+                           ("logging.eval_num_generations", cfg.logging.eval_num_generations, 1),
                            ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1)]:
         _require(value >= lo, f"{key}: {value} is below the minimum {lo}")
     _require(g.learning_rate > 0, f"grpo.learning_rate: {g.learning_rate} must be > 0")
@@ -504,8 +514,15 @@ def _validate_parallel(cfg: Config) -> None:
         layers = model.get("num_hidden_layers", pp)
         _require(layers >= pp, f"parallel.pipeline_parallel_size={pp} exceeds the model's "
                  f"{layers} layers")
-    _require(pp == 1, f"parallel.pipeline_parallel_size={pp}: pipeline-parallel training is not "
-             "in this version yet; use tensor_parallel_size and data parallelism")
+    if pp > 1:
+        _require(tp == 1, f"parallel.pipeline_parallel_size={pp} with tensor_parallel_size={tp}: "
+                 "tensor and pipeline parallelism together are not in this version; use one of them "
+                 "(with data parallelism)")
+        _require(cfg.grpo.packing, f"parallel.pipeline_parallel_size={pp} needs grpo.packing=true "
+                 "(the stages pass packed rows, not padded ones)")
+        _require(not cfg.model.gradient_checkpointing, f"parallel.pipeline_parallel_size={pp} with "
+                 "model.gradient_checkpointing=true is not in this version: a stage holds only its "
+                 "own layers' activations; set model.gradient_checkpointing=false")
 
 
 def deepspeed_zero_stage(cfg: Config) -> int:

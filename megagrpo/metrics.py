@@ -64,6 +64,14 @@ class StepStats:
         self.sums, self.maxes, self.mins = {}, {}, {}
         self.loss = 0.0
 
+    def declare(self, means: list[str], extrema: list[str]) -> None:
+        """Create these statistics empty (every rank then reduces the same names)."""
+        for name in means:
+            self.sums.setdefault(name, (0.0, 0.0))
+        for name in extrema:
+            self.maxes.setdefault(name, -float("inf"))
+            self.mins.setdefault(name, float("inf"))
+
     def add_loss(self, share: float) -> None:
         """A micro-batch's share of the step loss (shares of one pass sum to its loss)."""
         self.loss += share

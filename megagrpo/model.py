@@ -18,6 +18,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from .config import Config
 from .logprobs import install_logprob_head
+from .pipeline import build_pipeline_module, clip_pipeline_gradients
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -98,10 +99,16 @@ def _load(cfg: Config, ds_config: dict):
     return model
 
 
-def build_policy(cfg: Config, ds_config: dict, total_steps: int):
-    """deepspeed.initialize on the HF model: ZeRO 0-3, AdamW, warmup + schedule."""
-    model = _load(cfg, ds_config)
-    if cfg.model.gradient_checkpointing:
+def build_policy(cfg: Config, ds_config: dict, total_steps: int, pipeline_loss=None):
+    """deepspeed.initialize on the HF model: ZeRO 0-3, AdamW, warmup + schedule. With
+    pipeline_parallel_size > 1, on this rank's stage of it (a PipelineEngine whose module's
+    loss_fn is `pipeline_loss`)."""
+    if cfg.parallel.pipeline_parallel_size > 1:
+        model = build_pipeline_module(cfg, attention_implementation(),
+                                      cfg.parallel.pipeline_parallel_size, pipeline_loss)
+    else:
+        model = _load(cfg, ds_config)
+    if cfg.model.gradient_checkpointing and cfg.parallel.pipeline_parallel_size == 1:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     optimizer = None
@@ -112,12 +119,23 @@ def build_policy(cfg: Config, ds_config: dict, total_steps: int):
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps)))
+    if cfg.parallel.pipeline_parallel_size > 1:
+        clip_pipeline_gradients(engine)
     return engine
 
 
-def build_reference(cfg: Config, ds_config: dict):
+def build_reference(cfg: Config, ds_config: dict, pipeline_loss=None):
     """The frozen reference: a ZeRO-3 inference engine (no optimizer state) when the policy
-    uses ZeRO-3, optionally with parameters offloaded to CPU; else a plain eval module."""
+    uses ZeRO-3, optionally with parameters offloaded to CPU; a pipeline engine over the same
+    stages as the policy's under pipeline parallelism; else a plain eval module."""
+    if cfg.parallel.pipeline_parallel_size > 1:
+        model = build_pipeline_module(cfg, attention_implementation(),
+                                      cfg.parallel.pipeline_parallel_size, pipeline_loss)
+        model.requires_grad_(False)
+        ref_config = {k: ds_config[k] for k in ("train_micro_batch_size_per_gpu",
+                                                "gradient_accumulation_steps", "bf16", "steps_per_print")}
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ref_config)
+        return engine
     if zero_stage(ds_config) != 3:
         from deepspeed.accelerator import get_accelerator
         model = _load(cfg, ds_config).eval().requires_grad_(False)

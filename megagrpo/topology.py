@@ -1,8 +1,11 @@
 """The process topology: world = dp x tp x pp. Everything else asks this object.
 
-Ranks are laid out tensor-parallel fastest (DeepSpeed's AutoTP mesh is (dp, tp), row-major):
-ranks 0..tp-1 form the first tp group. Ranks of one tp group see the same prompts and share
-one rollout; different dp ranks see different prompts.
+Ranks are laid out as DeepSpeed lays them out. Tensor parallel: tp fastest (AutoTP's mesh is
+(dp, tp), row-major), so ranks 0..tp-1 form the first tp group. Pipeline parallel: DeepSpeed's
+(pipe, data) topology, pipeline stage slowest, so stage s holds ranks s*dp .. s*dp+dp-1 and a
+pipeline is the ranks {d, d+dp, d+2dp, ...}. Ranks of one tp group or pipeline (a "model
+group") see the same prompts and share one rollout, sampled by the group's first rank;
+different dp ranks see different prompts.
 """
 from __future__ import annotations
 
@@ -40,16 +43,24 @@ class Topology:
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.tp_size * self.pp_size)
+        if self.pp_size > 1:
+            return self.rank % self.dp_size
+        return self.rank // self.tp_size
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp_size
 
     @property
-    def tp_source(self) -> int:
-        """Global rank of this tp group's first rank (it samples the group's rollout)."""
-        return self.rank - self.tp_rank
+    def pp_rank(self) -> int:
+        """Pipeline stage of this rank."""
+        return self.rank // self.dp_size if self.pp_size > 1 else 0
+
+    @property
+    def model_group_source(self) -> int:
+        """Global rank of the first rank of this rank's tp group or pipeline (stage 0): it
+        samples the group's rollout."""
+        return self.dp_rank if self.pp_size > 1 else self.rank - self.tp_rank
 
     @property
     def is_main(self) -> bool:
@@ -58,4 +69,4 @@ class Topology:
     def describe(self) -> str:
         return (f"world {self.world_size} = dp {self.dp_size} x tp {self.tp_size} x "
                 f"pp {self.pp_size}; this is rank {self.rank} (dp rank {self.dp_rank}, "
-                f"tp rank {self.tp_rank})")
+                f"tp rank {self.tp_rank}, pipeline stage {self.pp_rank})")

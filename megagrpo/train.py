@@ -20,14 +20,17 @@ import traceback
 
 import torch
 
-from . import checkpoint, grpo
+from . import checkpoint, grpo, pipeline
 from .batch import RolloutBatch, make_batch
 from .logprobs import completion_logprobs
 from .config import Config, ConfigError, load_config
 from .data import DataError, Prompt, PromptSampler, load_prompts
+from .loss import LossInputs, declare_stats, micro_batch_loss
 from .metrics import MetricsLogger, StepStats, all_gather_1d, all_reduce, progress_bar
 from .packing import balanced_microbatches
-from .model import build_policy, build_reference, deepspeed_config, load_tokenizer, zero_stage
+from .model import (attention_implementation, build_policy, build_reference, deepspeed_config,
+                    load_tokenizer, zero_stage)
+from .pipeline import PipelineLoss
 from .rewards import (RewardError, build_reward_functions, close_reward_functions,
                       component_metrics, compute_rewards)
 from .rollout import build_rollout_engine
@@ -105,15 +108,25 @@ class Trainer:
         self.total_steps = g.max_steps if g.max_steps > 0 else max(
             1, math.ceil(g.num_train_epochs * self.sampler.steps_per_epoch))
         self.ds_config = deepspeed_config(cfg)
-        self.policy = build_policy(cfg, self.ds_config, self.total_steps)
-        self.reference = build_reference(cfg, self.ds_config) if g.kl_coef > 0 else None
+        self.pipeline = topology.pp_size > 1
+        self.pipeline_loss = PipelineLoss(g) if self.pipeline else None
+        self.policy = build_policy(cfg, self.ds_config, self.total_steps, self.pipeline_loss)
+        self.reference = (build_reference(cfg, self.ds_config, PipelineLoss(g) if self.pipeline else None)
+                          if g.kl_coef > 0 else None)
+        # one rollout per model group (tp group or pipeline), sampled by its first rank. Every
+        # rank builds an engine (vLLM's external launcher forms its groups over all ranks); under
+        # pipeline parallelism only the sampling rank's engine receives weights
+        self.samples_rollout = topology.rank == topology.model_group_source
         self.rollout = build_rollout_engine(cfg, seed=g.seed + topology.dp_rank)
-        # metrics and batch statistics are taken over the dp ranks (tp ranks hold copies)
-        self.dp_group, self.tp_group = None, None
+        # metrics and batch statistics are taken over the dp ranks (model groups hold copies)
+        self.dp_group, self.model_group = None, None
         if topology.tp_size > 1:
             from deepspeed.utils import groups
             self.dp_group = groups.get_data_parallel_group()
-            self.tp_group = groups.get_tensor_model_parallel_group()
+            self.model_group = groups.get_tensor_model_parallel_group()
+        elif self.pipeline:
+            self.dp_group = self.policy.grid.get_data_parallel_group()
+            self.model_group = self.policy.grid.get_pipe_parallel_group()
         self.metrics = MetricsLogger(cfg.output_dir, topology.is_main and cfg.logging.report_to == "tensorboard")
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         os.makedirs(cfg.output_dir, exist_ok=True)
@@ -125,7 +138,7 @@ class Trainer:
     def train(self) -> dict:
         cfg = self.cfg
         self.maybe_resume()
-        sync_weights(self.policy.module, self.rollout, cfg.rollout.sync_bucket_mb)
+        self.sync_rollout_weights()
         results = {}
         if self.eval_prompts and self.step == 0:
             results["before"] = self.evaluate()
@@ -153,7 +166,8 @@ class Trainer:
             self.log(f"held-out after training: {_format_eval(results['after'])}")
         if cfg.checkpoint.save_hf_at_end:
             out = os.path.join(cfg.output_dir, "hf")
-            checkpoint.export_hf(self.policy.module, self.tokenizer, out, self.topo.is_main)
+            checkpoint.export_hf(self.policy.module, self.tokenizer, out, self.topo.is_main,
+                                 tensors=self._pipeline_tensors() if self.pipeline else None)
             self.log(f"HF model written to {out}")
         if self.topo.is_main and results:
             path = os.path.join(cfg.output_dir, "eval_results.json")
@@ -205,7 +219,7 @@ class Trainer:
         stats = self.optimize(batch, micro_batches)
         timings["train"], clock = time.perf_counter() - clock, time.perf_counter()
 
-        timings["weight_sync"] = sync_weights(self.policy.module, self.rollout, cfg.rollout.sync_bucket_mb)
+        timings["weight_sync"] = self.sync_rollout_weights()
         if self.topo.is_main and cfg.logging.sample_steps and (self.step + 1) % cfg.logging.sample_steps == 0:
             self._log_samples(prompts[0], texts[:g.num_generations], rewards[:g.num_generations])
         return self._step_metrics(global_rewards, per_function, advantages, batch, stats, timings)
@@ -214,8 +228,10 @@ class Trainer:
         """mu passes over the batch in micro-batches; one optimizer step per pass."""
         g = self.cfg.grpo
         stats = StepStats()
+        declare_stats(stats, g)
         normalisers = self._loss_normalisers(batch)
-        epsilon_high = g.epsilon_high if g.epsilon_high is not None else g.epsilon
+        if self.pipeline:
+            return self._optimize_pipeline(batch, micro_batches, normalisers, stats)
         self.policy.train()
         for _ in range(g.num_iterations):
             for i, rows in enumerate(micro_batches):
@@ -224,20 +240,42 @@ class Trainer:
                 # (ZeRO-3 gathers are collective) and contributes zero
                 mb, share = (batch.select(rows), 1.0) if rows else (batch.select([0]), 0.0)
                 logp, entropy = self._logprobs(self.policy, mb)
-                old_logp = mb.old_logp if mb.old_logp is not None else logp.detach()
-                is_weights = None
-                if g.importance_sampling_correction:
-                    is_weights = grpo.truncated_importance_weights(
-                        old_logp, mb.sampler_logp, g.importance_sampling_cap)
-                token = grpo.per_token_loss(logp, old_logp, mb.advantages, g.epsilon, epsilon_high,
-                                            g.kl_coef, mb.ref_logp, is_weights)
-                loss = grpo.aggregate(token.loss, mb.completion_mask, g.loss_type, **normalisers) * share
+                inputs = LossInputs(mb.completion_mask, mb.advantages, mb.sampler_logp, mb.old_logp, mb.ref_logp)
+                loss = micro_batch_loss(g, logp, entropy, inputs, normalisers, share, stats if rows else None)
                 self.policy.backward(loss, scale_wrt_gas=False)
-                if rows:
-                    self._record(stats, mb, loss, token, entropy, old_logp, is_weights)
             self.grad_norm = self._grad_norm_before_step()
             self.policy.step()
         return stats
+
+    def _optimize_pipeline(self, batch, micro_batches, normalisers, stats) -> StepStats:
+        """The same passes through DeepSpeed's pipeline schedule: train_batch runs the
+        micro-batches' forwards and backwards over the stages, then the optimizer step; the
+        loss is computed at the last stage (pipeline.PipelineLoss)."""
+        g = self.cfg.grpo
+        self.pipeline_loss.start_step(normalisers, stats, len(micro_batches))
+        self.policy.set_train_batch_size(len(micro_batches) * g.per_device_train_batch_size * self.topo.dp_size)
+        try:
+            for _ in range(g.num_iterations):
+                self.policy.train_batch(iter(self._pipeline_items(batch, micro_batches)))
+        finally:
+            self.pipeline_loss.mode = "logprobs"
+        self.grad_norm = None
+        return stats
+
+    def _pipeline_items(self, batch: RolloutBatch, micro_batches: list[list[int]]) -> list:
+        one_row = attention_implementation().startswith("flash")
+        return [pipeline.micro_batch_item(batch.select(rows or [0]), 1.0 if rows else 0.0, one_row)
+                for rows in micro_batches]
+
+    def _pipeline_tensors(self):
+        return pipeline.named_full_tensors(self.policy.module, self.model_group, self.policy.grid.pp_group)
+
+    def sync_rollout_weights(self) -> float:
+        """Stream the policy's weights into the rollout engine; returns seconds taken."""
+        if not self.pipeline:
+            return sync_weights(self.policy.module, self.rollout, self.cfg.rollout.sync_bucket_mb)
+        return sync_weights(self.policy.module, self.rollout if self.samples_rollout else None,
+                            tensors=self._pipeline_tensors())
 
     def _grad_norm_before_step(self):
         """DeepSpeed reports the gradient norm under ZeRO and bf16, not for plain fp32 ZeRO-0:
@@ -254,12 +292,13 @@ class Trainer:
         """Sample on the first rank of each tp group and share its completions with the group,
         so that every rank trains on the same tokens."""
         groups = None
-        if self.topo.tp_rank == 0:
+        if self.samples_rollout:
             groups = self.rollout.generate(prompt_ids, n=n, seeds=seeds, greedy=greedy)
             self.rollout.sleep()
-        if self.tp_group is not None:
+        if self.model_group is not None:
             box = [groups]
-            torch.distributed.broadcast_object_list(box, src=self.topo.tp_source, group=self.tp_group)
+            torch.distributed.broadcast_object_list(box, src=self.topo.model_group_source,
+                                                    group=self.model_group)
             groups = box[0]
         return groups
 
@@ -312,8 +351,18 @@ class Trainer:
         return completion_logprobs(model, mb, self.cfg.rollout.temperature, g.packing, g.fused_logprobs)
 
     def _logprobs_without_grad(self, model, batch: RolloutBatch, micro_batches) -> torch.Tensor:
-        model.eval()
         out = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
+        if self.pipeline:  # known at the last stage only, which is the only one that needs them
+            items = self._pipeline_items(batch, micro_batches)
+            collector = model.module.loss_fn
+            collector.collected = []
+            model.eval_batch(iter(items), compute_loss=True, bcast_loss=False, num_micro_batches=len(items))
+            if model.is_last_stage():
+                for rows, (_, labels), logp in zip(micro_batches, items, collector.collected):
+                    if rows:
+                        out[torch.tensor(rows)[labels[0]], labels[1]] = logp.to(out.dtype)
+            return out
+        model.eval()
         for rows in micro_batches:
             mb = batch.select(rows or [0])
             logp = self._logprobs(model, mb)[0]
@@ -321,28 +370,14 @@ class Trainer:
                 out[torch.tensor(rows)[:, None], torch.arange(logp.shape[1])[None, :]] = logp
         return out
 
-    def _record(self, stats, mb, loss, token, entropy, old_logp, is_weights) -> None:
-        mask = mb.completion_mask
-        stats.add_loss(float(loss.detach()))
-        stats.add_mean("entropy", entropy, mask)
-        if token.kl is not None:
-            stats.add_mean("kl", token.kl.detach(), mask)
-        stats.add_mean("clip_ratio/low_mean", token.clipped_low.float(), mask)
-        stats.add_mean("clip_ratio/high_mean", token.clipped_high.float(), mask)
-        stats.add_mean("clip_ratio/region_mean", (token.clipped_low | token.clipped_high).float(), mask)
-        diff = (old_logp - mb.sampler_logp).abs()
-        stats.add_mean("sampling/sampling_logp_difference/mean", diff, mask)
-        stats.add_extrema("sampling/sampling_logp_difference", diff, mask)
-        if is_weights is not None:
-            stats.add_mean("sampling/importance_sampling_ratio/mean", is_weights, mask)
-            stats.add_extrema("sampling/importance_sampling_ratio", is_weights, mask)
-
     def _step_metrics(self, global_rewards, per_function, advantages, batch, stats: StepStats,
                       timings: dict) -> dict:
         g = self.cfg.grpo
         out = stats.reduce()
         # DeepSpeed averages gradients over dp ranks: the step's loss is the mean of the ranks'
-        out["loss"] = float(all_reduce(torch.tensor([stats.loss]), group=self.dp_group)[0]) / self.topo.dp_size / g.num_iterations
+        # (under pipeline parallelism only the last stage holds it: the sum runs over everyone)
+        loss_group = None if self.pipeline else self.dp_group
+        out["loss"] = float(all_reduce(torch.tensor([stats.loss]), group=loss_group)[0]) / self.topo.dp_size / g.num_iterations
         out.pop("sampling/sampling_logp_difference/min", None)
         grouped = global_rewards.view(-1, g.num_generations)
         out.update({

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
 import deepspeed
 import torch
@@ -53,9 +53,17 @@ def _tensor_parallel_gather(param, owner):
     return GatherReplacedLayerParams([param], owner)
 
 
-def sync_weights(module: torch.nn.Module, rollout_engine, bucket_mb: int = 256) -> float:
-    """Stream the trainer's weights into the rollout engine in place; returns seconds taken."""
+def sync_weights(module: torch.nn.Module, rollout_engine, bucket_mb: int = 256,
+                 tensors: Optional[Iterator[tuple[str, torch.Tensor]]] = None) -> float:
+    """Stream the trainer's weights (`tensors`, by default named_full_tensors(module)) into
+    the rollout engine in place; returns seconds taken. A rank without an engine (a pipeline
+    stage other than the first) still runs the stream: it sends its share."""
     start = time.perf_counter()
-    rollout_engine.wake_up()
-    rollout_engine.load_weights(named_full_tensors(module, bucket_mb))
+    tensors = tensors if tensors is not None else named_full_tensors(module, bucket_mb)
+    if rollout_engine is None:
+        for _ in tensors:
+            pass
+    else:
+        rollout_engine.wake_up()
+        rollout_engine.load_weights(tensors)
     return time.perf_counter() - start

@@ -1,0 +1,71 @@
+"""The GRPO loss of one micro-batch, and the statistics it records. One function serves both
+the DeepSpeed engine's loop (train.py) and the last stage of a pipeline (pipeline.py's
+loss_fn), so the two layouts compute the same thing."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import grpo
+from .config import GRPOConfig
+from .metrics import StepStats
+
+
+@dataclass
+class LossInputs:
+    """Everything the loss needs besides the policy's own log-probs, (B, C) per token."""
+    completion_mask: torch.Tensor
+    advantages: torch.Tensor            # (B,)
+    sampler_logp: torch.Tensor
+    old_logp: Optional[torch.Tensor]    # None: the policy's own (detached), num_iterations = 1
+    ref_logp: Optional[torch.Tensor]    # None: no KL term
+
+
+def declare_stats(stats: StepStats, g: GRPOConfig) -> None:
+    """Name every statistic up front, so that ranks that record none (pipeline stages before
+    the last) still take part in the same reductions."""
+    means = ["entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+             "sampling/sampling_logp_difference/mean"]
+    extrema = ["sampling/sampling_logp_difference"]
+    if g.kl_coef > 0:
+        means.append("kl")
+    if g.importance_sampling_correction:
+        means.append("sampling/importance_sampling_ratio/mean")
+        extrema.append("sampling/importance_sampling_ratio")
+    stats.declare(means, extrema)
+
+
+def micro_batch_loss(g: GRPOConfig, logp: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs,
+                     normalisers: dict, share: float, stats: Optional[StepStats]) -> torch.Tensor:
+    """This micro-batch's share of the step loss (normalised for the whole step, see
+    grpo.aggregate), recording its statistics in `stats` when given."""
+    old_logp = inputs.old_logp if inputs.old_logp is not None else logp.detach()
+    is_weights = None
+    if g.importance_sampling_correction:
+        is_weights = grpo.truncated_importance_weights(old_logp, inputs.sampler_logp, g.importance_sampling_cap)
+    epsilon_high = g.epsilon_high if g.epsilon_high is not None else g.epsilon
+    token = grpo.per_token_loss(logp, old_logp, inputs.advantages, g.epsilon, epsilon_high,
+                                g.kl_coef, inputs.ref_logp, is_weights)
+    loss = grpo.aggregate(token.loss, inputs.completion_mask, g.loss_type, **normalisers) * share
+    if stats is not None:
+        _record(stats, inputs, loss, token, entropy, old_logp, is_weights)
+    return loss
+
+
+def _record(stats, inputs, loss, token, entropy, old_logp, is_weights) -> None:
+    mask = inputs.completion_mask
+    stats.add_loss(float(loss.detach()))
+    stats.add_mean("entropy", entropy.detach(), mask)
+    if token.kl is not None:
+        stats.add_mean("kl", token.kl.detach(), mask)
+    stats.add_mean("clip_ratio/low_mean", token.clipped_low.float(), mask)
+    stats.add_mean("clip_ratio/high_mean", token.clipped_high.float(), mask)
+    stats.add_mean("clip_ratio/region_mean", (token.clipped_low | token.clipped_high).float(), mask)
+    diff = (old_logp - inputs.sampler_logp).abs()
+    stats.add_mean("sampling/sampling_logp_difference/mean", diff, mask)
+    stats.add_extrema("sampling/sampling_logp_difference", diff, mask)
+    if is_weights is not None:
+        stats.add_mean("sampling/importance_sampling_ratio/mean", is_weights, mask)
+        stats.add_extrema("sampling/importance_sampling_ratio", is_weights, mask)
