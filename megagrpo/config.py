@@ -54,10 +54,6 @@ class DataConfig:
     """Reshuffle the prompts every epoch (seeded)."""
     reference_field: str = "reference"
     """Row field holding a reference answer text for eval's BLEU, ROUGE and perplexity."""
-    reference_field: str = "reference"
-    """Row field holding a reference answer text for eval's BLEU, ROUGE and perplexity."""
-    reference_field: str = "reference"
-    """Row field holding a reference answer text for eval's BLEU, ROUGE and perplexity."""
 
 
 @dataclass
@@ -197,10 +193,6 @@ class LoggingConfig:
     """Log sample prompts and completions as text every N steps (0: never)."""
     eval_steps: int = 0
     """Held-out accuracy every N steps (0: only before and after training)."""
-    eval_num_generations: int = 1
-    """Completions per held-out prompt: 1 is greedy; n > 1 samples n for pass@k (k <= n)."""
-    eval_num_generations: int = 1
-    """Completions per held-out prompt: 1 is greedy; n > 1 samples n for pass@k (k <= n)."""
     eval_num_generations: int = 1
     """Completions per held-out prompt: 1 is greedy; n > 1 samples n for pass@k (k <= n)."""
     progress_bar: bool = True
@@ -415,8 +407,6 @@ def validate(cfg: Config, training: bool = True) -> None:
                            ("grpo.max_tokens_per_microbatch", g.max_tokens_per_microbatch, 0),
                            ("grpo.logprob_chunk_size", g.logprob_chunk_size, 1),
                            ("logging.logging_steps", cfg.logging.logging_steps, 1),
-                           ("logging.eval_num_generations", cfg.logging.eval_num_generations, 1),
-                           ("logging.eval_num_generations", cfg.logging.eval_num_generations, 1),
                            ("logging.eval_num_generations", cfg.logging.eval_num_generations, 1),
                            ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1)]:
         _require(value >= lo, f"{key}: {value} is below the minimum {lo}")
