@@ -3,7 +3,9 @@ bubblewrap + rlimits (the default), rlimits only, and a plain `python3 -I` subpr
 sandbox, the floor), each with 1, 2 and 4 parallel workers; plus the code reward end to end
 (harness + one unit test) under bubblewrap.
 
-    python bench/sandbox_throughput.py [--executions 200]
+    python bench/sandbox_throughput.py [--executions 100] [--repeats 3]
+
+Each rate is the best of `repeats` rounds (other work on the machine only slows a round down).
 """
 import argparse
 import json
@@ -28,17 +30,21 @@ def plain_run(_):
     assert out.stdout.strip() == "45"
 
 
-def rate(fn, executions, workers) -> float:
+def rate(fn, executions, workers, repeats) -> float:
+    best = 0.0
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(fn, range(min(8, executions))))  # warm-up
-        start = time.perf_counter()
-        list(pool.map(fn, range(executions)))
-        return executions / (time.perf_counter() - start)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            list(pool.map(fn, range(executions)))
+            best = max(best, executions / (time.perf_counter() - start))
+    return best
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--executions", type=int, default=200)
+    p.add_argument("--executions", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench/results/sandbox_throughput.json")
     args = p.parse_args()
 
@@ -54,9 +60,9 @@ def main():
 
     rows = []
     for workers in (1, 2, 4):
-        plain = rate(plain_run, args.executions, workers)
+        plain = rate(plain_run, args.executions, workers, args.repeats)
         for name, sb in sandboxes.items():
-            per_s = rate(sandboxed(sb), args.executions, workers)
+            per_s = rate(sandboxed(sb), args.executions, workers, args.repeats)
             rows.append({"variant": name, "workers": workers, "executions_per_s": per_s,
                          "ms_per_execution": 1000 / per_s, "vs_plain": per_s / plain})
         rows.append({"variant": "plain subprocess", "workers": workers, "executions_per_s": plain,
@@ -66,10 +72,12 @@ def main():
         n = args.executions
         completions = ["```python\ndef add(a, b):\n    return a + b\n```"] * n
         reward(["q"] * 8, completions[:8], tests=[["assert add(1, 2) == 3"]] * 8)
-        start = time.perf_counter()
-        scores = reward(["q"] * n, completions, tests=[["assert add(1, 2) == 3"]] * n)
-        elapsed = time.perf_counter() - start
-        assert list(scores) == [1.0] * n
+        elapsed = float("inf")
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            scores = reward(["q"] * n, completions, tests=[["assert add(1, 2) == 3"]] * n)
+            elapsed = min(elapsed, time.perf_counter() - start)
+            assert list(scores) == [1.0] * n
         reward.close()
         rows.append({"variant": "code reward (bwrap)", "workers": workers,
                      "executions_per_s": n / elapsed, "ms_per_execution": 1000 * elapsed / n,
@@ -82,8 +90,9 @@ def main():
               f"{r['ms_per_execution']:>8.1f} {ratio:>9}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                   "executions": args.executions, "rows": rows}, f, indent=1)
+        json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                               "load_average": os.getloadavg()},
+                   "executions": args.executions, "repeats": args.repeats, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
 
 
