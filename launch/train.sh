@@ -75,19 +75,28 @@ for name in "${RANK_ENV_VARS[@]}"; do
 done
 [ "$LAUNCHER" = openmpi ] && echo "MASTER_PORT=$MASTER_PORT" >> "$DS_ENV_FILE"
 
-# forward SIGINT/SIGTERM to the runner (it stops the ranks on every node), then report
+# forward SIGINT/SIGTERM to the runner (it stops the ranks on every node); keep a copy of
+# the output to summarise a failure at the end
+LOG="$(mktemp "${TMPDIR:-/tmp}/megagrpo-launch.XXXXXX")"
 child=""
 stop() { [ -n "$child" ] && kill -TERM "$child" 2>/dev/null; }
 trap stop INT TERM
-trap 'rm -f "$DS_ENV_FILE"' EXIT
+trap 'rm -f "$DS_ENV_FILE" "$LOG"' EXIT
 echo "megagrpo: launching:$(printf ' %q' "${CMD[@]}")"
 set +e
-"${CMD[@]}" &
+"${CMD[@]}" > >(tee -a "$LOG") 2>&1 &
 child=$!
 wait "$child"; rc=$?
 while kill -0 "$child" 2>/dev/null; do wait "$child"; rc=$?; done  # a trapped signal ends wait early
+wait  # tee
 set -e
 if [ "$rc" -ne 0 ]; then
-  echo "megagrpo: the job failed (launcher exit code $rc); the failing rank's error is above" >&2
+  # ranks that stopped because a peer vanished report errors first; the rank that died
+  # (negative return code: killed by that signal, e.g. -9 for SIGKILL or the OOM killer) last
+  {
+    echo "megagrpo: the job failed (launcher exit code $rc). Rank errors and exits:"
+    grep -aE "megagrpo: error on rank|exits with return code = [0-9]" "$LOG" | tail -n 20
+    grep -aE "exits with return code = -" "$LOG" | tail -n 20
+  } | sed -E "s/\['.*'\] exits with/rank exits with/" | cut -c1-400 >&2
 fi
 exit "$rc"
