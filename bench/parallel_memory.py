@@ -3,9 +3,11 @@ planner's estimate (megagrpo plan).
 
     python bench/parallel_memory.py            # builds a ~27M-parameter Qwen2 locally
 
-Layouts (ZeRO-3, float32): dp=1, dp=2, dp=4, tp=2, launched with the deepspeed launcher. Each
-rank builds the policy engine exactly as the trainer does, runs one optimizer step on a fixed
-synthetic batch (the same global batch in every layout: 32 sequences of 128 tokens), and sums
+Layouts (float32): dp=1, dp=2, dp=4, tp=2 under ZeRO-3; pp=2 under ZeRO-1 (pipelines take
+ZeRO 0-1), next to dp=2 under ZeRO-1; launched with the deepspeed launcher. Each rank builds
+the policy engine exactly as the trainer does, runs optimizer steps on a fixed synthetic batch
+(the same global batch in every layout: 32 sequences of 128 tokens; a pipeline runs it as 4
+micro-batches through train_batch with the GRPO loss at the last stage), and sums
 the bytes of every tensor alive in the process (deduplicated by storage) before the model is
 built and after the step: parameters, gradients, optimizer state, master copies. Prints a
 table with ratios to dp=1 and writes JSON.
@@ -24,7 +26,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-LAYOUTS = [("dp1", 1, 1), ("dp2", 2, 1), ("dp4", 4, 1), ("tp2", 2, 2)]  # name, ranks, tp
+# name, ranks, tp, pp, ZeRO stage
+LAYOUTS = [("dp1", 1, 1, 1, 3), ("dp2", 2, 1, 1, 3), ("dp4", 4, 1, 1, 3), ("tp2", 2, 2, 1, 3),
+           ("dp2-z1", 2, 1, 1, 1), ("pp2-z1", 2, 1, 2, 1)]
 GLOBAL_SEQUENCES, SEQUENCE_LENGTH = 32, 128
 
 
@@ -43,27 +47,35 @@ def live_tensor_bytes() -> int:
     return total
 
 
-def probe(model, out_dir, tp):
+def _config(model, data, tp, pp, stage):
+    from megagrpo.config import load_config
+    return load_config(os.path.join(ROOT, "configs/tiny_arith.yaml"), [
+        f"model.name_or_path={model}", f"data.train_file={data}", "data.eval_file=null",
+        "grpo.kl_coef=0", f"parallel.tensor_parallel_size={tp}",
+        f"parallel.pipeline_parallel_size={pp}", f"deepspeed=configs/ds_zero{stage}.json",
+        "model.dtype=float32", "grpo.per_device_train_batch_size=8"])
+
+
+def probe(model, out_dir, tp, pp, stage):
     """Runs inside each rank (under the deepspeed launcher)."""
     from megagrpo.batch import make_batch
-    from megagrpo.config import load_config
     from megagrpo.logprobs import completion_logprobs
     from megagrpo.model import build_policy, deepspeed_config
+    from megagrpo.pipeline import PipelineLoss, micro_batch_item
     from megagrpo.rollout import Completion
     from megagrpo.train import init_distributed
 
-    topology = init_distributed(tp_size=tp)
+    topology = init_distributed(tp_size=tp, pp_size=pp)
     before = live_tensor_bytes()
-    cfg = load_config(os.path.join(ROOT, "configs/tiny_arith.yaml"), [
-        f"model.name_or_path={model}", f"data.train_file={os.path.join(out_dir, 'data.jsonl')}",
-        "data.eval_file=null", "grpo.kl_coef=0", f"parallel.tensor_parallel_size={tp}",
-        "model.dtype=float32"])
+    cfg = _config(model, os.path.join(out_dir, "data.jsonl"), tp, pp, stage)
     # small communication buckets, so that what is measured is the model state, not buffers
-    cfg.deepspeed = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 10**6,
+    cfg.deepspeed = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 10**6,
+                                           "allgather_bucket_size": 10**6,
                                            "stage3_prefetch_bucket_size": 10**6,
                                            "stage3_param_persistence_threshold": 0,
                                            "contiguous_gradients": False}}
-    engine = build_policy(cfg, deepspeed_config(cfg), total_steps=10)
+    loss = PipelineLoss(cfg.grpo) if pp > 1 else None
+    engine = build_policy(cfg, deepspeed_config(cfg), total_steps=10, pipeline_loss=loss)
     per_rank = GLOBAL_SEQUENCES // topology.dp_size
     gen = torch.Generator().manual_seed(topology.dp_rank)
     vocab = engine.module.config.vocab_size
@@ -74,10 +86,17 @@ def probe(model, out_dir, tp):
     times = []
     for _ in range(3):
         start = time.perf_counter()
-        logp, _ = completion_logprobs(engine, batch, 1.0)
-        engine.backward((logp * batch.completion_mask).sum() / batch.completion_mask.sum(),
-                        scale_wrt_gas=False)
-        engine.step()
+        if pp > 1:
+            parts = [batch.select(list(range(i, i + 8))) for i in range(0, per_rank, 8)]
+            loss.start_step({"num_sequences": per_rank, "num_tokens": float(batch.completion_mask.sum()),
+                             "max_completion_length": SEQUENCE_LENGTH}, None, len(parts))
+            engine.set_train_batch_size(len(parts) * 8 * topology.dp_size)
+            engine.train_batch(iter([micro_batch_item(mb, 1.0) for mb in parts]))
+        else:
+            logp, _ = completion_logprobs(engine, batch, 1.0)
+            engine.backward((logp * batch.completion_mask).sum() / batch.completion_mask.sum(),
+                            scale_wrt_gas=False)
+            engine.step()
         times.append(time.perf_counter() - start)
     after = live_tensor_bytes()
     with open(os.path.join(out_dir, f"rank{topology.rank}.json"), "w") as f:
@@ -88,14 +107,13 @@ def probe(model, out_dir, tp):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--probe", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
-    p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--layout", type=int, nargs=3, default=(1, 1, 3), help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", default="bench/results/parallel_memory.json")
     args = p.parse_args()
     if args.probe:
-        return probe(*args.probe, args.tp)
+        return probe(*args.probe, *args.layout)
 
-    from megagrpo.config import load_config
     from megagrpo.plan import make_plan
     work = tempfile.mkdtemp(prefix="megagrpo-memory-")
     model = os.path.join(work, "model")
@@ -103,26 +121,24 @@ def main():
                     "--hidden-size", "512", "--layers", "8", "--heads", "8", "--kv-heads", "8",
                     "--intermediate-size", "1536", "--vocab-size", "512"], check=True, stdout=subprocess.DEVNULL)
     rows = []
-    for name, ranks, tp in LAYOUTS:
+    for name, ranks, tp, pp, stage in LAYOUTS:
         out = os.path.join(work, name)
         os.makedirs(out)
         with open(os.path.join(out, "data.jsonl"), "w") as f:
             f.write('{"prompt": "1 + 1", "answer": "2"}\n' * 64)
         subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus",
                         str(ranks), "--master_port", "29577", os.path.abspath(__file__),
-                        "--probe", model, out, "--tp", str(tp)], check=True, cwd=ROOT,
+                        "--probe", model, out, "--layout", str(tp), str(pp), str(stage)],
+                       check=True, cwd=ROOT,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                        env={**os.environ, "PYTHONPATH": ROOT})
         measured = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(ranks)]
         os.environ["WORLD_SIZE"] = str(ranks)
-        cfg = load_config(os.path.join(ROOT, "configs/tiny_arith.yaml"), [
-            f"model.name_or_path={model}", f"data.train_file={os.path.join(out, 'data.jsonl')}",
-            "data.eval_file=null", "grpo.kl_coef=0", f"parallel.tensor_parallel_size={tp}",
-            "model.dtype=float32"])
+        cfg = _config(model, os.path.join(out, "data.jsonl"), tp, pp, stage)
         plan = make_plan(cfg, ranks).per_rank
         estimate = plan["params"] + plan["grads"] + plan["optimizer"]
         state = max(m["state_bytes"] for m in measured)
-        rows.append({"layout": name, "ranks": ranks, "tp": tp, "measured_bytes": state,
+        rows.append({"layout": name, "ranks": ranks, "tp": tp, "pp": pp, "zero": stage, "measured_bytes": state,
                      "estimate_bytes": estimate, "step_s": max(m["step_s"] for m in measured)})
     base = rows[0]
     print(f"\n{'layout':<7}{'ranks':>6}{'measured MiB':>14}{'vs dp1':>8}{'plan MiB':>10}"

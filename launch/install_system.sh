@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Debian packages the test suite needs beyond Python: sshd + pdsh (multi-node launch over ssh),
-# SLURM + munge (sbatch/srun launch), OpenMPI (mpirun launch, mpi4py build) and bubblewrap
-# (the code-reward sandbox). Idempotent; needs root (or sudo). Real jobs need only what their
-# launcher uses: see README "Launching on a cluster".
+# SLURM + munge (sbatch/srun launch), OpenMPI (mpirun launch, mpi4py build), bubblewrap and
+# Debian's python3 (the code-reward sandbox runs /usr/bin/python3). Idempotent; needs root (or
+# sudo). Real jobs need only what their launcher uses: see README "Launching on a cluster".
 set -euo pipefail
-PACKAGES=(openssh-server openssh-client pdsh slurm-wlm munge openmpi-bin libopenmpi-dev bubblewrap procps)
+PACKAGES=(openssh-server openssh-client pdsh slurm-wlm munge openmpi-bin libopenmpi-dev bubblewrap procps python3)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

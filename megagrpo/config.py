@@ -62,7 +62,8 @@ class ParallelConfig:
     """Ranks that split every layer (DeepSpeed AutoTP, vocab-parallel LM head); dp is what
     is left of the world size."""
     pipeline_parallel_size: int = 1
-    """Pipeline stages (DeepSpeed PipelineModule); ZeRO stage 0 or 1 only."""
+    """Pipeline stages (DeepSpeed PipelineModule from the HF layers, Llama/Qwen2/Mistral); ZeRO
+    stage 0 or 1, grpo.packing on, not with tensor_parallel_size > 1 in this version."""
 
 
 @dataclass

@@ -79,8 +79,23 @@ class ModelParts:
         self.layer_params = [sum(p.numel() for p in layer.parameters()) for layer in meta.model.layers]
         self.hidden = self.config.hidden_size
         self.vocab = self.config.vocab_size
-        self.source = SafetensorsSource(model_path, dtype)
-        self.dtype = dtype
+        self.model_path, self.dtype = model_path, dtype
+
+    @functools.cached_property
+    def source(self) -> SafetensorsSource:
+        return SafetensorsSource(self.model_path, self.dtype)
+
+    def layer_counts(self) -> list[int]:
+        """Parameters of each pipeline layer: embedding, decoder layers, final norm, head (a
+        tied head holds its own copy of the embedding on the last stage)."""
+        return [self.vocab * self.hidden, *self.layer_params, self.hidden, self.vocab * self.hidden]
+
+    def stage_parameters(self, stages: int) -> list[int]:
+        """Parameters per stage under DeepSpeed's parameter-balanced partitioning."""
+        from deepspeed.runtime.utils import partition_balanced
+        counts = self.layer_counts()
+        bounds = partition_balanced(weights=counts, num_parts=stages)
+        return [sum(counts[bounds[s]:bounds[s + 1]]) for s in range(stages)]
 
 
 class Embedding(torch.nn.Module):
@@ -180,8 +195,7 @@ def layer_specs(parts: ModelParts, temperature: float, chunk_size: int, fused: b
         embedding, output = LayerSpec(Embedding, parts), LayerSpec(LMHead, parts, head)
     decoders = [LayerSpec(DecoderLayer, parts, i) for i in range(len(parts.layer_params))]
     specs = [embedding, *decoders, LayerSpec(FinalNorm, parts), output]
-    counts = [parts.vocab * parts.hidden, *parts.layer_params, parts.hidden, parts.vocab * parts.hidden]
-    for spec, count in zip(specs, counts):
+    for spec, count in zip(specs, parts.layer_counts()):
         spec.num_params = count
     return specs
 

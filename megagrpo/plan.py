@@ -6,10 +6,14 @@ model state (parameters, gradients, optimizer) each rank will hold.
 
 The model is built on the meta device (no memory, no weights read) to count its parameters.
 AutoTP splits the 2-D weights of the decoder layers over the tp ranks; embeddings, norms and
-the LM head are replicated. Bytes per parameter as DeepSpeed's ZeRO optimizers hold them:
+the LM head are replicated. A pipeline holds one stage per rank, partitioned by parameters as
+DeepSpeed does it (the largest stage is reported; a tied head keeps a copy of the embedding on
+the last stage). Bytes per parameter as DeepSpeed's ZeRO optimizers hold them:
 4 (weights) + 4 (gradients) + 12 (a float32 master copy and the two Adam moments) in float32
 training, which bench/parallel_memory.py measures within 1% per rank; 2 + 2 + 12 in bfloat16. ZeRO stage 1 splits the optimizer state over the dp
-ranks, stage 2 the gradients too, stage 3 the weights too. The frozen reference model (when
+ranks, stage 2 the gradients too, stage 3 the weights too. Gradients are counted as held
+during the backward: between steps ZeRO 1 and 2 free them, so the model state measured at rest
+there is lower by the gradient bytes (bench/parallel_memory.py shows both stages). The frozen reference model (when
 kl_coef > 0) holds weights only; the vLLM engine holds one whole copy of the weights plus its
 KV cache.
 """
@@ -57,7 +61,10 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     dp = world_size // (tp * pp)
     stage = deepspeed_zero_stage(cfg)
     total, sharded = count_parameters(cfg.model.name_or_path)
-    local = (sharded // tp + (total - sharded)) // pp  # one rank's share before ZeRO
+    local = sharded // tp + (total - sharded)  # one rank's share before ZeRO
+    if pp > 1:  # the largest stage (DeepSpeed's partition by parameters)
+        from .pipeline import ModelParts
+        local = max(ModelParts(cfg.model.name_or_path, torch.float32, "sdpa").stage_parameters(pp))
     weight_b, grad_b, optim_b = BYTES[cfg.model.dtype]
     per_rank = {
         "params": local * weight_b // (dp if stage >= 3 else 1),
@@ -66,7 +73,10 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
         "reference": (local * weight_b // (dp if stage >= 3 else 1)) if cfg.grpo.kl_coef > 0 else 0,
         "rollout_weights": total * weight_b,
     }
-    ranks = [(r, r // (tp * pp), r % tp, (r // tp) % pp) for r in range(world_size)]
+    if pp > 1:  # DeepSpeed's (pipe, data) topology: the stage is the slowest coordinate
+        ranks = [(r, r % dp, 0, r // dp) for r in range(world_size)]
+    else:
+        ranks = [(r, r // tp, r % tp, 0) for r in range(world_size)]
     return Plan(world_size, dp, tp, pp, stage, total, sharded, per_rank, ranks)
 
 
