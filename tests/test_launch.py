@@ -2,13 +2,11 @@
 over pdsh and sshd (two "nodes": localhost and 127.0.0.1), SLURM (munged, slurmctld, slurmd;
 sbatch, srun, requeue), OpenMPI's mpirun; a rank killed mid-step; hostfile and nodelist tools;
 the dry-run of every shipped real-job config. The fixtures start each daemon on free ports with
-files under pytest's tmp dir, and stop it at the end (checked)."""
+files under pytest's tmp dir (tests/helpers/daemons.py), and stop it at the end (checked)."""
 import glob
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +17,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import BIN, ROOT, free_port, run, tiny_overrides
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
+import daemons  # noqa: E402
 import hostfile_from_slurm as hfs  # noqa: E402
 
 from megagrpo.hostfile import HostfileError, parse_hostfile  # noqa: E402
@@ -36,31 +36,6 @@ def losses(out):
     acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     return [(e.step, e.value) for e in acc.Scalars("train/loss")]
-
-
-def wait_port(port, proc, what, timeout=20):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, f"{what} exited with {proc.returncode}"
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"{what} is not listening on {port} after {timeout} s")
-
-
-def stop(procs, what):
-    """Terminate the daemons and check that they are gone."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise AssertionError(f"{what} (pid {proc.pid}) ignored SIGTERM")
 
 
 def job_processes(marker):
@@ -192,33 +167,9 @@ def test_shipped_job_configs_validate_and_dry_run(tiny, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
-    """A real sshd on 127.0.0.1 (a free port, its own host key and authorized_keys) and an ssh
-    client configured for it: `bin/ssh` runs /usr/bin/ssh -F <config>, first on PATH, so pdsh,
-    the deepspeed runner and our probe all use it as they would use ~/.ssh/config."""
-    d = tmp_path_factory.mktemp("sshd")
-    port = free_port()
-    for key in ("host_key", "id_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)
-    shutil.copy(d / "id_key.pub", d / "authorized_keys")
-    (d / "sshd_config").write_text(
-        f"ListenAddress 127.0.0.1\nPort {port}\nHostKey {d}/host_key\n"
-        f"AuthorizedKeysFile {d}/authorized_keys\nPasswordAuthentication no\n"
-        "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\nUsePAM no\n"
-        f"StrictModes no\nPidFile {d}/sshd.pid\n")
-    (d / "ssh_config").write_text(
-        f"Host *\n  Port {port}\n  IdentityFile {d}/id_key\n  IdentitiesOnly yes\n"
-        "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n")
-    (d / "bin").mkdir()
-    (d / "bin" / "ssh").write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F {d}/ssh_config "$@"\n')
-    (d / "bin" / "ssh").chmod(0o755)
-    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
-    proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(d / "sshd_config")],
-                            stdout=open(d / "sshd.log", "w"), stderr=subprocess.STDOUT)
-    wait_port(port, proc, "sshd")
-    env = {"PATH": f"{d / 'bin'}:{os.environ['PATH']}"}
-    run(["ssh", "-o", "BatchMode=yes", "127.0.0.1", "true"], env=env)
-    yield env
-    stop([proc], "sshd")
+    """A real sshd on 127.0.0.1 and an `ssh` configured for it first on PATH (helpers/daemons.py)."""
+    with daemons.sshd(tmp_path_factory.mktemp("sshd")) as env:
+        yield env
 
 
 @pytest.fixture(scope="module")
@@ -309,66 +260,9 @@ def test_rank_killed_mid_step_ends_the_job_promptly(tiny, tmp_path, sshd):
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    """munged, slurmctld and slurmd on this machine: one node `localhost` with 2 CPUs, free
-    ports, every file under a tmp dir (SLURM_CONF points the clients at it)."""
-    d = tmp_path_factory.mktemp("slurm")
-    for sub in ("munge", "state", "spool", "log"):
-        (d / sub).mkdir()
-    key = d / "munge" / "munge.key"
-    key.write_bytes(os.urandom(1024))
-    key.chmod(0o600)
-    sock = d / "munge" / "munge.sock"
-    ctld_port, slurmd_port = free_port(), free_port()
-    conf = d / "slurm.conf"
-    conf.write_text(f"""ClusterName=megagrpo-test
-SlurmctldHost=localhost(127.0.0.1)
-SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-AuthInfo=socket={sock}
-CredType=cred/munge
-StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
-SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
-SlurmctldLogFile={d}/log/slurmctld.log
-SlurmdLogFile={d}/log/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-MpiDefault=none
-ReturnToService=2
-JobRequeue=1
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
-""")
-    env = {"SLURM_CONF": str(conf)}
-    full_env = {**os.environ, **env}
-    procs = []
-    try:
-        procs.append(subprocess.Popen(
-            ["munged", "-F", "--force", f"--key-file={key}", f"--socket={sock}",
-             f"--pid-file={d}/munge/munged.pid", f"--log-file={d}/munge/munged.log",
-             f"--seed-file={d}/munge/munged.seed"], env=full_env))
-        deadline = time.time() + 20
-        while not sock.exists():
-            assert procs[0].poll() is None and time.time() < deadline, "munged did not start"
-            time.sleep(0.1)
-        procs.append(subprocess.Popen(["slurmctld", "-D", "-f", str(conf)], env=full_env))
-        wait_port(ctld_port, procs[-1], "slurmctld")
-        procs.append(subprocess.Popen(["slurmd", "-D", "-N", "localhost", "-f", str(conf)], env=full_env))
-        deadline = time.time() + 60
-        while run(["sinfo", "-h", "-o", "%T"], env=env, check=False).stdout.strip() != "idle":
-            assert all(p.poll() is None for p in procs) and time.time() < deadline, \
-                open(d / "log" / "slurmd.log").read()[-2000:]
-            time.sleep(0.5)
+    """munged, slurmctld and slurmd: a one-node cluster with 2 CPUs (helpers/daemons.py)."""
+    with daemons.slurm_cluster(tmp_path_factory.mktemp("slurm"), cpus=2) as env:
         yield env
-    finally:
-        run(["scancel", "--full", "--user", "root"], env=env, check=False)
-        stop(procs[::-1], "a SLURM daemon")
 
 
 def job_state(job, env):
