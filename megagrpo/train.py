@@ -421,7 +421,9 @@ class Trainer:
         from . import evaluation
 
         indices = list(range(self.topo.dp_rank, len(self.eval_prompts), self.topo.dp_size))
-        score = self.rollout.score if self.rollout is not None else None
+        # only a sampling rank's engine is sure to hold the trained weights (pipeline stages
+        # after the first keep an engine vLLM needs but never sync it)
+        score = self.rollout.score if self.samples_rollout else None
         records = evaluation.score_prompts(
             [self.eval_prompts[i] for i in indices], indices, self._generate, score, self.tokenizer,
             self.reward_functions, sorted(self.eval_prompts[0].fields), self.cfg.logging.eval_num_generations,

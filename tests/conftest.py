@@ -66,7 +66,8 @@ def pytest_sessionfinish(session, exitstatus):
     if os.path.isdir(shm):
         for name in os.listdir(shm):
             path = os.path.join(shm, name)
-            if name.startswith("deepspeed_allreduce_buffer_"):
+            # DeepSpeed's shm all-reduce buffers; vLLM-CPU's tp/pp shm groups of crashed ranks
+            if name.startswith("deepspeed_allreduce_buffer_") or name.endswith(("cpushm_0", "cpushm_1")):
                 try:
                     if time.time() - os.stat(path).st_mtime > 300:
                         os.unlink(path)
