@@ -60,6 +60,7 @@ def write_jsonl(path, rows):
 def pytest_sessionfinish(session, exitstatus):
     """Remove DeepSpeed shm all-reduce files left by ranks killed before they unlinked them
     (only old ones: a job starting elsewhere needs its files until all its ranks have mapped them)."""
+    import re
     import time
 
     shm = "/dev/shm"
@@ -67,7 +68,7 @@ def pytest_sessionfinish(session, exitstatus):
         for name in os.listdir(shm):
             path = os.path.join(shm, name)
             # DeepSpeed's shm all-reduce buffers; vLLM-CPU's tp/pp shm groups of crashed ranks
-            if name.startswith("deepspeed_allreduce_buffer_") or name.endswith(("cpushm_0", "cpushm_1")):
+            if name.startswith("deepspeed_allreduce_buffer_") or re.search(r"-cpushm_\d+$", name):
                 try:
                     if time.time() - os.stat(path).st_mtime > 300:
                         os.unlink(path)
