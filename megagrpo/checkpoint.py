@@ -15,6 +15,7 @@ import json
 import os
 import random
 import shutil
+import signal
 
 import numpy as np
 import torch
@@ -23,6 +24,14 @@ import torch.distributed as dist
 from .weight_sync import named_full_tensors
 
 MARKER = "COMPLETE"
+CRASH_POINTS = ("engine_saved", "marked", "renamed", "latest_written")
+
+
+def _crash_point(name: str, step: int) -> None:
+    """Fault injection for the crash-during-save tests: MEGAGRPO_CRASH_AT=<point>:<step>
+    SIGKILLs this process at that point of that step's save. Unset in real runs."""
+    if os.environ.get("MEGAGRPO_CRASH_AT") == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _barrier():
@@ -80,18 +89,26 @@ def complete_checkpoints(root: str) -> list[str]:
     return sorted(tags)
 
 
-def find_resume_checkpoint(root: str, log=print):
-    """The checkpoint `latest` names if it is complete, else the newest complete one."""
+def resume_candidates(root: str, log=print) -> list[str]:
+    """Complete checkpoints to try, best first: the one `latest` names, then the others from
+    the newest (a later one may be complete while `latest` was not yet updated)."""
     latest_file = os.path.join(root, "latest")
     complete = complete_checkpoints(root)
+    first = None
     if os.path.isfile(latest_file):
         with open(latest_file) as f:
             tag = f.read().strip()
         if tag in complete:
-            return os.path.join(root, tag)
-        log(f"checkpoint '{os.path.join(root, tag)}' named by latest is incomplete or missing; "
-            f"falling back to the newest complete one")
-    return os.path.join(root, complete[-1]) if complete else None
+            first = tag
+        else:
+            log(f"checkpoint '{os.path.join(root, tag)}' named by latest is incomplete or missing; "
+                f"falling back to the newest complete one")
+    for tag in sorted(set(os.listdir(root)) - set(complete)) if os.path.isdir(root) else []:
+        if tag.startswith("step_"):
+            log(f"ignoring incomplete checkpoint '{os.path.join(root, tag)}' (no {MARKER} marker)")
+    ordered = ([first] if first else []) + [t for t in reversed(complete) if t != first]
+    return [os.path.join(root, t) for t in ordered]
+
 
 
 def save(engine, root: str, step: int, trainer_state: dict, keep_last: int, is_main: bool,
@@ -108,18 +125,22 @@ def save(engine, root: str, step: int, trainer_state: dict, keep_last: int, is_m
         json.dump(rng_state(), f)
     _barrier()
     if is_main:
+        _crash_point("engine_saved", step)
         with open(os.path.join(root, tmp, "trainer_state.json"), "w") as f:
             json.dump(trainer_state, f, indent=1)
         with open(os.path.join(root, tmp, MARKER), "w") as f:
             f.write(tag)
         _fsync_tree(os.path.join(root, tmp))
+        _crash_point("marked", step)
         final, replaced = os.path.join(root, tag), os.path.join(root, f"{tag}.old")
         if os.path.isdir(final):  # saving the same step again (a finished run resumed)
             shutil.rmtree(replaced, ignore_errors=True)
             os.rename(final, replaced)
         os.rename(os.path.join(root, tmp), final)
         _fsync_dir(root)
+        _crash_point("renamed", step)
         _write_atomic(os.path.join(root, "latest"), tag)
+        _crash_point("latest_written", step)
         shutil.rmtree(replaced, ignore_errors=True)
         _prune(root, keep_last, current=tag)
     _barrier()

@@ -446,10 +446,26 @@ class Trainer:
                                   "an earlier run; resume it (checkpoint.resume=auto), use another "
                                   "output_dir, or delete that folder")
             return
-        path = checkpoint.find_resume_checkpoint(self.ckpt_root, self.log) if resume == "auto" else resume
-        if path is None:
+        candidates = checkpoint.resume_candidates(self.ckpt_root, self.log) if resume == "auto" else [resume]
+        path, state = None, None
+        for path in candidates:  # a corrupt checkpoint is reported and the previous one tried
+            try:
+                state, error = checkpoint.load(self.policy, path, self.topo.rank), None
+            except Exception as e:  # noqa: BLE001 - whatever DeepSpeed or torch.load raise
+                state, error = None, e
+            failed = all_reduce(torch.tensor([0 if error is None else 1]), "max")[0]
+            if not failed:
+                break
+            if resume != "auto":
+                raise ConfigError(f"checkpoint.resume: '{path}' could not be loaded: {error}")
+            self.log(f"checkpoint '{path}' could not be loaded ({error or 'on another rank'}); "
+                     "trying the previous complete one")
+            state = None
+        if state is None:
+            if candidates and resume == "auto":
+                raise ConfigError(f"no checkpoint under {self.ckpt_root} could be loaded; move the "
+                                  "folder away to start over")
             return
-        state = checkpoint.load(self.policy, path, self.topo.rank)
         for key, now in (("dp_size", self.topo.dp_size), ("num_prompts", len(self.prompts))):
             if state.get(key, now) != now:
                 raise ConfigError(f"checkpoint '{path}' was saved with {key}={state[key]}, this run "

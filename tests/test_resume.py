@@ -1,9 +1,12 @@
 """Exact resume: a 2-rank ZeRO-3 run killed with SIGKILL after its step-3 checkpoint and resumed
-ends bit-identical to an uninterrupted run, having seen the same prompts in the same order."""
+ends bit-identical to an uninterrupted run, having seen the same prompts in the same order.
+Crashes inside a save, and a corrupt checkpoint, never make a resume load half a checkpoint."""
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -68,3 +71,43 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, num_iterations):
     assert any(not torch.equal(a[k], start[k]) for k in a)  # training moved the weights
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+
+
+def test_crash_at_every_point_of_a_save_resumes_from_a_complete_checkpoint(tiny, tmp_path):
+    """SIGKILL inside the save of steps 2, 3, 4 and 5 (one point of checkpoint.save each, by the
+    MEGAGRPO_CRASH_AT fault hook: files written but unmarked, marked but not renamed, renamed
+    but `latest` not updated, `latest` updated but older ones not pruned); each restart resumes
+    from a complete checkpoint and the run ends at step 6 with all its steps' prompts. Then a corrupt newest checkpoint (a truncated
+    DeepSpeed file, COMPLETE marker present) is reported and the previous one loaded."""
+    from megagrpo.checkpoint import CRASH_POINTS
+
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+               *tiny_overrides(tiny, out), "data.eval_file=null", "rollout.engine=hf",
+               "grpo.per_device_train_batch_size=8", "checkpoint.save_steps=1",
+               "checkpoint.keep_last=2", "logging.sample_steps=0", "grpo.max_steps=6"]
+    resumed_at, logs = [], ""
+    for step, point in zip([2, 3, 4, 5], CRASH_POINTS):
+        proc = run(command, env={"MEGAGRPO_CRASH_AT": f"{point}:{step}"}, check=False)
+        assert proc.returncode == -signal.SIGKILL, (point, proc.returncode, proc.stderr[-3000:])
+        resumed_at += [int(m) for m in re.findall(r"resumed from .*step_(\d+) at step", proc.stdout)]
+        logs += proc.stdout
+        ckpts = out / "checkpoints"
+        latest = (ckpts / "latest").read_text()
+        assert (ckpts / latest / "COMPLETE").is_file(), (point, latest)
+    final = run(command)
+    resumed_at += [int(m) for m in re.findall(r"resumed from .*step_(\d+) at step", final.stdout)]
+    # the checkpoint `latest` names: the previous one until the new one's rename and pointer
+    # update are both done (a complete step_4 whose pointer was not written is not preferred)
+    assert resumed_at == [1, 2, 3, 5], resumed_at
+    assert sorted(_prompts_by_step(out)) == [1, 2, 3, 4, 5, 6]
+    assert "done: 6 steps" in final.stdout
+    assert f"ignoring incomplete checkpoint '{out / 'checkpoints' / 'step_00000002.tmp'}'" in logs
+
+    # a corrupt newest checkpoint: reported by name, the previous complete one is loaded
+    newest = sorted(d for d in os.listdir(out / "checkpoints") if d.startswith("step_"))[-1]
+    victim = next(p for p in (out / "checkpoints" / newest).rglob("*.pt"))
+    victim.write_bytes(victim.read_bytes()[:100])
+    again = run(command + ["grpo.max_steps=7"])
+    assert f"checkpoint '{out / 'checkpoints' / newest}' could not be loaded" in again.stdout
+    assert "resumed from" in again.stdout and "done: 7 steps" in again.stdout
