@@ -169,14 +169,18 @@ def load(engine, path: str, rank: int) -> dict:
         return json.load(f)
 
 
-def export_hf(module, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 2048,
-              bucket_mb: int = 256, tensors=None) -> None:
-    """Collective: write an HF folder that AutoModelForCausalLM and vLLM load unchanged.
-    Tensors (`tensors`, by default named_full_tensors(module)) stream bucket by bucket into
-    safetensors shards on the main rank."""
+def write_safetensors(tensors, out_dir: str, shard_mb: int = 2048, dtype=None,
+                      write: bool = True, always_index: bool = False) -> None:
+    """Stream (HF name, tensor) pairs into safetensors shards of about shard_mb each (holding
+    one shard in memory at a time), optionally cast to `dtype`. One shard is written as
+    model.safetensors unless always_index; otherwise an index maps names to shards and records
+    each shard's sha256. With write=False the stream is only consumed (ranks that must take
+    part in its collectives but write nothing)."""
+    import hashlib
+
     from safetensors.torch import save_file
 
-    if is_main:
+    if write:
         os.makedirs(out_dir, exist_ok=True)
         for name in os.listdir(out_dir):
             if name.endswith(".safetensors") or name == "model.safetensors.index.json":
@@ -192,21 +196,41 @@ def export_hf(module, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 20
             weight_map.update({k: name for k in shard})
             shard, shard_bytes = {}, 0
 
-    for name, tensor in tensors if tensors is not None else named_full_tensors(module, bucket_mb):
-        if not is_main:
+    for name, tensor in tensors:
+        if not write:
             continue
-        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        tensor = tensor.detach().to("cpu", dtype=dtype or tensor.dtype, copy=True).contiguous()
+        shard[name] = tensor
         shard_bytes += tensor.numel() * tensor.element_size()
         if shard_bytes >= shard_mb * 2**20:
             flush()
+    if not write:
+        return
+    flush()
+    if len(shards) == 1 and not always_index:
+        os.replace(os.path.join(out_dir, shards[0]), os.path.join(out_dir, "model.safetensors"))
+        return
+    checksums = {}
+    for shard_name in shards:
+        digest = hashlib.sha256()
+        with open(os.path.join(out_dir, shard_name), "rb") as f:
+            for block in iter(lambda: f.read(2**24), b""):
+                digest.update(block)
+        checksums[shard_name] = digest.hexdigest()
+    total = sum(os.path.getsize(os.path.join(out_dir, s)) for s in shards)
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total, "sha256": checksums}, "weight_map": weight_map},
+                  f, indent=1)
+
+
+def export_hf(module, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 2048,
+              bucket_mb: int = 256, tensors=None) -> None:
+    """Collective: write an HF folder that AutoModelForCausalLM and vLLM load unchanged.
+    Tensors (`tensors`, by default named_full_tensors(module)) stream bucket by bucket into
+    safetensors shards on the main rank."""
+    tensors = tensors if tensors is not None else named_full_tensors(module, bucket_mb)
+    write_safetensors(tensors, out_dir, shard_mb, write=is_main)
     if is_main:
-        flush()
-        if len(shards) == 1:
-            os.replace(os.path.join(out_dir, shards[0]), os.path.join(out_dir, "model.safetensors"))
-        else:
-            total = sum(os.path.getsize(os.path.join(out_dir, s)) for s in shards)
-            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
         use_cache = module.config.use_cache
         module.config.use_cache = True  # off only while training with gradient checkpointing
         module.config.save_pretrained(out_dir)

@@ -4,6 +4,7 @@
     megagrpo validate --config X.yaml key.sub=value ... (check the config, build nothing)
     megagrpo plan --config X.yaml --world-size N ...    (layout and memory per rank)
     megagrpo eval --model PATH --data FILE [--config X.yaml] [key.sub=value ...]
+    megagrpo convert inspect CKPT | to-hf CKPT OUT [--model HF_DIR] [--dtype D]
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ commands:
   validate   check a config and its overrides without building anything
   plan       print the layout (dp/tp/pp per rank) and the model-state bytes per rank
   eval       evaluate a model on a held-out file (rewards, pass@k, BLEU, ROUGE, perplexity)
+  convert    inspect a checkpoint, or export it as an HF folder (see `megagrpo convert --help`)
 """
 
 
@@ -91,6 +93,9 @@ def main(argv=None) -> int:
     if command == "eval":
         from .evaluation import main as eval_main
         return eval_main(rest)
+    if command == "convert":
+        from .convert import main as convert_main
+        return convert_main(rest)
     print(f"megagrpo: unknown command '{command}'\n{USAGE}", file=sys.stderr)
     return 2
 

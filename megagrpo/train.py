@@ -478,7 +478,11 @@ class Trainer:
     def save(self) -> None:
         state = {"step": self.step, "sampler": self.sampler.state_dict(),
                  "world_size": self.topo.world_size, "dp_size": self.topo.dp_size,
-                 "num_prompts": len(self.prompts), "total_steps": self.total_steps}
+                 "num_prompts": len(self.prompts), "total_steps": self.total_steps,
+                 "model": os.path.abspath(self.cfg.model.name_or_path)
+                 if os.path.isdir(self.cfg.model.name_or_path) else self.cfg.model.name_or_path,
+                 "layout": {"tp": self.topo.tp_size, "pp": self.topo.pp_size,
+                            "zero_stage": zero_stage(self.ds_config), "dtype": self.cfg.model.dtype}}
         path = checkpoint.save(self.policy, self.ckpt_root, self.step, state,
                                self.cfg.checkpoint.keep_last, self.topo.is_main, self.topo.rank)
         self.log(f"checkpoint saved: {path}")

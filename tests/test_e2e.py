@@ -65,7 +65,8 @@ def test_two_rank_zero3_vllm_run_logs_and_resumes(tiny, tmp_path):
 
 def test_hf_export_loads_in_transformers_and_matches(tiny, tmp_path):
     """The final HF folder equals the live model: logits of the exported model are those of
-    a model loaded from the last DeepSpeed checkpoint's consolidated weights; vLLM loads the
+    a model loaded from the last DeepSpeed checkpoint's consolidated weights, and of the
+    folder `megagrpo convert to-hf` makes from that checkpoint; vLLM loads the converted
     folder unchanged and decodes greedily what transformers decodes. Trained with gradient
     checkpointing on."""
     import torch
@@ -83,7 +84,16 @@ def test_hf_export_loads_in_transformers_and_matches(tiny, tmp_path):
     state = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step_00000002")
     original.load_state_dict(state, strict=False)
     torch.testing.assert_close(exported(ids).logits, original(ids).logits, atol=1e-5, rtol=0)
-    vllm = json.loads(run([sys.executable, "tests/helpers/vllm_greedy.py", str(out / "hf")]).stdout.splitlines()[-1])
+    # the offline converter (own ZeRO-3 reader, weights_only loads) gives the same model
+    converted = tmp_path / "converted"
+    run([f"{BIN}/megagrpo", "convert", "to-hf", str(out / "checkpoints" / "step_00000002"), str(converted)])
+    index = json.load(open(converted / "model.safetensors.index.json"))
+    assert set(index["metadata"]["sha256"]) == set(index["weight_map"].values())
+    from_checkpoint = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32)
+    torch.testing.assert_close(from_checkpoint(ids).logits, exported(ids).logits, atol=1e-5, rtol=0)
+    inspect = run([f"{BIN}/megagrpo", "convert", "inspect", str(out / "checkpoints" / "step_00000002")]).stdout
+    assert "layout: zero-3" in inspect and "step: 2" in inspect and "model.norm.weight" in inspect
+    vllm = json.loads(run([sys.executable, "tests/helpers/vllm_greedy.py", str(converted)]).stdout.splitlines()[-1])
     prompt = torch.tensor([vllm["prompt"]])
     expected = exported.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:]
     assert vllm["tokens"] == expected.tolist()[:len(vllm["tokens"])] and len(vllm["tokens"]) > 1

@@ -1,0 +1,203 @@
+"""Offline checkpoint tools (`megagrpo convert ...`, also tools/convert_checkpoint.py).
+
+    megagrpo convert inspect CKPT
+    megagrpo convert to-hf CKPT OUT [--model HF_DIR] [--dtype float32|bfloat16] [--shard-mb N]
+
+CKPT is one checkpoint folder (output_dir/checkpoints/step_N). `to-hf` writes an HF folder
+(sharded safetensors with an index carrying each shard's sha256, config, generation config,
+tokenizer) that transformers and vLLM load unchanged. Layouts:
+
+  ZeRO 0-2   the module's weights, whole, in the model-states file
+  ZeRO-3     every rank's float32 partition in its optimizer file; each parameter is
+             reassembled from the ranks' slices, files memory-mapped, one tensor at a time
+  pipeline   DeepSpeed's layer_XX-model_states.pt files, read one layer at a time and named
+             as pipeline.py names them (embedding, decoder layers, final norm, untied head)
+  AutoTP     refused (tensor-parallel shards are not merged here: export with
+             checkpoint.save_hf_at_end, which gathers them live)
+
+Files are read with torch.load(weights_only=True): tensors and plain containers, plus exactly
+three DeepSpeed types found in optimizer files (ZeroStageEnum, LossScaler, fragment_address).
+Nothing else in a checkpoint can run code while loading.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import sys
+from typing import Iterator
+
+import torch
+
+from .checkpoint import MARKER, write_safetensors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
+                 "tokenizer.model", "added_tokens.json")
+
+
+class ConvertError(ValueError):
+    pass
+
+
+def _load(path: str, mmap: bool = False):
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    with torch.serialization.safe_globals([ZeroStageEnum, LossScaler, fragment_address]):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def _files(ckpt: str):
+    layer_files = sorted(glob.glob(os.path.join(ckpt, "layer_*-model_states.pt")))
+    model_files = sorted(f for f in glob.glob(os.path.join(ckpt, "*model_states.pt")) if f not in layer_files)
+    optim_files = sorted(glob.glob(os.path.join(ckpt, "*optim_states.pt")),
+                         key=lambda f: [int(n) for n in re.findall(r"\d+", os.path.basename(f))])
+    return layer_files, model_files, optim_files
+
+
+def layout(ckpt: str) -> dict:
+    """What kind of checkpoint this is, from its files (and trainer_state.json when present)."""
+    if not os.path.isdir(ckpt):
+        raise ConvertError(f"{ckpt}: not a folder; pass one checkpoint, e.g. output_dir/checkpoints/step_00000010")
+    layer_files, model_files, optim_files = _files(ckpt)
+    if not model_files:
+        raise ConvertError(f"{ckpt}: no DeepSpeed *model_states.pt files: not a megagrpo/DeepSpeed checkpoint")
+    state_file = os.path.join(ckpt, "trainer_state.json")
+    trainer = json.load(open(state_file)) if os.path.isfile(state_file) else {}
+    zero = _load(optim_files[0], mmap=True)["optimizer_state_dict"].get("zero_stage", 0) if optim_files else 0
+    mp_ranks = {re.search(r"mp_rank_(\d+)", os.path.basename(f)).group(1) for f in model_files}
+    kind = "pipeline" if layer_files else ("autotp" if len(mp_ranks) > 1 else f"zero-{int(zero)}")
+    return {"kind": kind, "zero_stage": int(zero), "complete": os.path.isfile(os.path.join(ckpt, MARKER)),
+            "dp_partitions": len(optim_files) // max(1, len(mp_ranks)), "model_parallel_files": len(mp_ranks),
+            "layer_files": len(layer_files), "trainer_state": trainer}
+
+
+def hf_tensors(ckpt: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every weight of the checkpoint, one at a time where the layout
+    allows (ZeRO-3, pipeline); ZeRO 0-2 keep the module in one file."""
+    info = layout(ckpt)
+    layer_files, model_files, optim_files = _files(ckpt)
+    if info["kind"] == "autotp":
+        raise ConvertError(f"{ckpt}: a tensor-parallel (AutoTP) checkpoint ({info['model_parallel_files']} "
+                           "model-parallel files); merging its shards offline is not supported. Export "
+                           "the live model with checkpoint.save_hf_at_end=true instead")
+    if info["kind"] == "pipeline":
+        yield from _pipeline_tensors(layer_files)
+    elif info["zero_stage"] == 3:
+        yield from _zero3_tensors(model_files[0], optim_files)
+    else:
+        yield from _load(model_files[0])["module"].items()
+
+
+def _pipeline_tensors(layer_files):
+    """Layer files in order: embedding ("weight"), decoder layers ("layer.*"), final norm
+    ("norm.weight"), untied head ("weight"), as pipeline.py's stage modules name them. A tied
+    head has no file of its own (DeepSpeed saves the tied module with its first layer)."""
+    decoder, seen_norm = 0, False
+    for path in layer_files:
+        state = _load(path)
+        if any(k.startswith("layer.") for k in state):
+            yield from ((f"model.layers.{decoder}.{k[len('layer.'):]}", v) for k, v in state.items())
+            decoder += 1
+        elif "norm.weight" in state:
+            seen_norm = True
+            yield "model.norm.weight", state["norm.weight"]
+        elif set(state) == {"weight"}:
+            yield ("lm_head.weight" if seen_norm else "model.embed_tokens.weight"), state["weight"]
+        else:
+            raise ConvertError(f"{path}: unexpected layer keys {sorted(state)[:5]}")
+
+
+def _zero3_tensors(model_file, optim_files):
+    """ZeRO-3: parameter p (numel n, in param_shapes order) occupies ceil(n / world) elements
+    of every rank's flat float32 group, at the same offset on each rank; the ranks' slices
+    concatenated, cut to n, give the parameter."""
+    shapes = {k: v for group in _load(model_file)["param_shapes"] for k, v in group.items()}
+    groups = [_load(f, mmap=True)["optimizer_state_dict"]["fp32_flat_groups"] for f in optim_files]
+    world = len(groups)
+    flats = [torch.cat(list(g)) if len(g) > 1 else g[0] for g in groups]
+    offset = 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        part = math.ceil(numel / world)
+        full = torch.cat([flat[offset:offset + part] for flat in flats])[:numel]
+        yield name, full.view(shape)
+        offset += part
+
+
+def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: int = 2048, log=print) -> None:
+    info = layout(ckpt)
+    if not info["complete"]:
+        raise ConvertError(f"{ckpt}: incomplete checkpoint (no {MARKER} marker); convert a complete one")
+    model = model or info["trainer_state"].get("model")
+    if not model or not os.path.isfile(os.path.join(model, "config.json")):
+        raise ConvertError(f"{ckpt}: the HF folder for config and tokenizer is unknown or missing "
+                           f"('{model}'); pass --model PATH (the run's model.name_or_path)")
+    config = json.load(open(os.path.join(model, "config.json")))
+    tied = config.get("tie_word_embeddings", False)
+    tensors = ((n, t) for n, t in hf_tensors(ckpt) if not (tied and n == "lm_head.weight"))
+    log(f"{ckpt}: {info['kind']} -> {out}")
+    write_safetensors(tensors, out, shard_mb, DTYPES[dtype] if dtype else None, always_index=True)
+    for name in HF_SIDE_FILES:
+        if os.path.isfile(os.path.join(model, name)):
+            shutil.copy(os.path.join(model, name), os.path.join(out, name))
+    if dtype:
+        config["dtype"] = dtype
+        config.pop("torch_dtype", None)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+
+
+def inspect(ckpt: str) -> str:
+    info = layout(ckpt)
+    trainer = info.pop("trainer_state")
+    lines = [f"checkpoint: {ckpt}", f"layout: {info['kind']} (ZeRO stage {info['zero_stage']}, "
+             f"{info['dp_partitions']} data-parallel partition(s), {info['model_parallel_files']} "
+             f"model-parallel file(s), {info['layer_files']} pipeline layer file(s))",
+             f"complete: {info['complete']}"]
+    for key in ("step", "total_steps", "world_size", "dp_size", "layout", "model"):
+        if key in trainer:
+            lines.append(f"{key}: {trainer[key]}")
+    if info["kind"] != "autotp":
+        total, count = 0, 0
+        lines.append("tensors:")
+        for name, tensor in hf_tensors(ckpt):
+            lines.append(f"  {name:<56} {str(tuple(tensor.shape)):<16} {str(tensor.dtype).replace('torch.', '')}")
+            total += tensor.numel()
+            count += 1
+        lines.append(f"{count} tensors, {total / 1e6:.2f}M parameters")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="megagrpo convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("inspect", help="print what a checkpoint holds: step, layout, tensors")
+    i.add_argument("checkpoint")
+    h = sub.add_parser("to-hf", help="write an HF folder (sharded safetensors, index with checksums)")
+    h.add_argument("checkpoint")
+    h.add_argument("out")
+    h.add_argument("--model", help="HF folder with config and tokenizer (default: the run's model)")
+    h.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: as stored)")
+    h.add_argument("--shard-mb", type=int, default=2048, help="shard size in MiB (default 2048)")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            print(inspect(args.checkpoint))
+        else:
+            to_hf(args.checkpoint, args.out, args.model, args.dtype, args.shard_mb)
+    except ConvertError as e:
+        print(f"megagrpo convert: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
