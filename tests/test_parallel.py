@@ -64,6 +64,9 @@ def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp)
         torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=0, msg=name)
     seen = [json.loads(line)["prompts"] for line in open(parallel / "prompts_seen.jsonl")]
     assert seen == [json.loads(line)["prompts"] for line in open(reference / "prompts_seen.jsonl")]
+    refused = run([f"{BIN}/megagrpo", "convert", "to-hf", str(parallel / "checkpoints" / "step_00000002"),
+                   str(tmp_path / "converted")], check=False)
+    assert refused.returncode == 2 and "a tensor-parallel (AutoTP) checkpoint" in refused.stderr
 
 
 def test_refused_layouts(tiny, tmp_path, monkeypatch):
@@ -150,5 +153,10 @@ def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, p
         torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=0, msg=name)
     norms = [v for _, v in _scalars(parallel, "train/grad_norm")]
     assert norms == pytest.approx([v for _, v in _scalars(reference, "train/grad_norm")], rel=1e-4)
+    # offline: the pipeline checkpoint's layer files convert to the same HF weights
+    converted = tmp_path / "converted"
+    run([f"{BIN}/megagrpo", "convert", "to-hf", str(parallel / "checkpoints" / "step_00000002"), str(converted)])
+    c = load_file(str(converted / "model-00001.safetensors"))
+    assert sorted(c) == sorted(b) and all(torch.equal(c[k], b[k]) for k in b)
     # the first stage's vLLM engine samples with the weights streamed from every stage
     assert max(v for _, v in _scalars(parallel, "train/sampling/sampling_logp_difference/max")) < 1e-3
