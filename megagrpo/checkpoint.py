@@ -154,19 +154,55 @@ def _prune(root: str, keep_last: int, current: str) -> None:
         shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
 
 
-def load(engine, path: str, rank: int) -> dict:
-    """Collective: restore the engine, this rank's RNG; returns the trainer state."""
+def read_trainer_state(path: str) -> dict:
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return json.load(f)
+
+
+def to_universal(path: str, is_main: bool) -> str:
+    """Collective: DeepSpeed's universal form of a ZeRO 1-3 checkpoint (ds_to_universal), made
+    once next to it as `<tag>.universal`; returns its folder. A universal checkpoint loads
+    under another number of data-parallel ranks."""
+    import subprocess
+    import sys
+
+    out = f"{path}.universal"
+    if is_main and not os.path.isdir(out):
+        tmp = f"{out}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                               "--input_folder", path, "--output_folder", tmp],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ds_to_universal failed on '{path}':\n{proc.stderr[-3000:]}")
+        os.rename(tmp, out)
+    _barrier()
+    return out
+
+
+def load(engine, path: str, rank: int, reshard: bool = False, is_main: bool = False) -> dict:
+    """Collective: restore the engine, this rank's RNG; returns the trainer state. With
+    reshard, the checkpoint was saved by another number of data-parallel ranks: it is loaded
+    through its universal form, and the ranks' RNG states (which belong to the old ranks) are
+    not restored."""
     if not os.path.isfile(os.path.join(path, MARKER)):
         raise FileNotFoundError(f"checkpoint '{path}' is incomplete (no {MARKER} marker)")
-    load_path, _ = engine.load_checkpoint(os.path.dirname(path), tag=os.path.basename(path))
+    if reshard:
+        universal = to_universal(path, is_main)
+        engine._config.load_universal_checkpoint = True  # read by engine.load_checkpoint only
+        try:
+            load_path, _ = engine.load_checkpoint(os.path.dirname(universal), tag=os.path.basename(universal))
+        finally:
+            engine._config.load_universal_checkpoint = False
+    else:
+        load_path, _ = engine.load_checkpoint(os.path.dirname(path), tag=os.path.basename(path))
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint '{path}'")
     rng_file = os.path.join(path, f"rng_rank{rank}.json")
-    if os.path.isfile(rng_file):
+    if os.path.isfile(rng_file) and not reshard:
         with open(rng_file) as f:
             set_rng_state(json.load(f))
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        return json.load(f)
+    return read_trainer_state(path)
 
 
 def write_safetensors(tensors, out_dir: str, shard_mb: int = 2048, dtype=None,

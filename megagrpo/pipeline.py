@@ -30,9 +30,6 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from .fused_logprobs import fused_token_logprobs, logprobs_from_logits
 from .packing import pack
 
-ACTIVATIONS = "(hidden, position_ids, predict_at, targets)"
-
-
 class SafetensorsSource:
     """Reads single tensors by HF name from a model folder's safetensors files."""
 

@@ -449,8 +449,9 @@ class Trainer:
         candidates = checkpoint.resume_candidates(self.ckpt_root, self.log) if resume == "auto" else [resume]
         path, state = None, None
         for path in candidates:  # a corrupt checkpoint is reported and the previous one tried
+            reshard = self._check_resumable(path)
             try:
-                state, error = checkpoint.load(self.policy, path, self.topo.rank), None
+                state, error = checkpoint.load(self.policy, path, self.topo.rank, reshard, self.topo.is_main), None
             except Exception as e:  # noqa: BLE001 - whatever DeepSpeed or torch.load raise
                 state, error = None, e
             failed = all_reduce(torch.tensor([0 if error is None else 1]), "max")[0]
@@ -466,19 +467,46 @@ class Trainer:
                 raise ConfigError(f"no checkpoint under {self.ckpt_root} could be loaded; move the "
                                   "folder away to start over")
             return
-        for key, now in (("dp_size", self.topo.dp_size), ("num_prompts", len(self.prompts))):
-            if state.get(key, now) != now:
-                raise ConfigError(f"checkpoint '{path}' was saved with {key}={state[key]}, this run "
-                                  f"has {key}={now}; the prompt order would not continue. Resume "
-                                  "with the same number of ranks and the same data")
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
-        self.log(f"resumed from {path} at step {self.step}")
+        self.log(f"resumed from {path} at step {self.step}"
+                 + (f" (re-sharded from dp {state['dp_size']} to dp {self.topo.dp_size})"
+                    if state["dp_size"] != self.topo.dp_size else ""))
+
+    def _check_resumable(self, path: str) -> bool:
+        """Refuse a checkpoint this run cannot continue (before loading anything); returns
+        whether it needs re-sharding (saved by another number of data-parallel ranks)."""
+        try:
+            state = checkpoint.read_trainer_state(path)
+        except (OSError, ValueError):
+            return False  # unreadable: the load reports it and the previous one is tried
+        def refuse(what):
+            raise ConfigError(f"checkpoint '{path}' {what}")
+        if state.get("num_prompts", len(self.prompts)) != len(self.prompts):
+            refuse(f"was saved with {state['num_prompts']} training prompts, this run has "
+                   f"{len(self.prompts)}; the prompt order would not continue. Resume with the same data")
+        saved = state.get("layout", {})
+        for key, now in (("tp", self.topo.tp_size), ("pp", self.topo.pp_size)):
+            if saved.get(key, now) != now:
+                refuse(f"was saved with {key}={saved[key]}, this run has {key}={now}; re-sharding across "
+                       "tensor or pipeline layouts is not supported: resume with the same "
+                       "tensor_parallel_size and pipeline_parallel_size (dp may change)")
+        if state.get("dp_size", self.topo.dp_size) == self.topo.dp_size:
+            return False
+        if state.get("prompts_per_step") != self.sampler.global_batch:
+            refuse(f"was saved with dp={state['dp_size']} and {state.get('prompts_per_step', 'an unrecorded number of')} "
+                   f"prompts per step; this run has dp={self.topo.dp_size} and {self.sampler.global_batch}. "
+                   "To change dp keep the global batch: per_device_train_batch_size x dp the same")
+        if saved.get("zero_stage", 0) == 0 or zero_stage(self.ds_config) == 0:
+            refuse("is a ZeRO-0 checkpoint (or this run uses ZeRO-0); changing dp goes through "
+                   "DeepSpeed's universal checkpoint, which needs ZeRO 1-3 on both sides")
+        return True
 
     def save(self) -> None:
         state = {"step": self.step, "sampler": self.sampler.state_dict(),
                  "world_size": self.topo.world_size, "dp_size": self.topo.dp_size,
                  "num_prompts": len(self.prompts), "total_steps": self.total_steps,
+                 "prompts_per_step": self.sampler.global_batch,
                  "model": os.path.abspath(self.cfg.model.name_or_path)
                  if os.path.isdir(self.cfg.model.name_or_path) else self.cfg.model.name_or_path,
                  "layout": {"tp": self.topo.tp_size, "pp": self.topo.pp_size,

@@ -111,3 +111,42 @@ def test_crash_at_every_point_of_a_save_resumes_from_a_complete_checkpoint(tiny,
     again = run(command + ["grpo.max_steps=7"])
     assert f"checkpoint '{out / 'checkpoints' / newest}' could not be loaded" in again.stdout
     assert "resumed from" in again.stdout and "done: 7 steps" in again.stdout
+
+
+def test_resume_on_another_number_of_dp_ranks_continues_the_same_run(tiny, tmp_path):
+    """A dp=2 ZeRO-3 checkpoint (step 1) resumed on one rank with the same global batch goes
+    through DeepSpeed's universal checkpoint: its step 2 has the loss of the original layout's
+    step 2, the same prompts, and ends with the same parameters. A change of tp is refused."""
+    common = ["data.eval_file=null", "grpo.max_steps=2", "grpo.learning_rate=1e-4",
+              "logging.sample_steps=0", "checkpoint.save_steps=1"]
+    two, one = tmp_path / "dp2", tmp_path / "dp1"
+    run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+         "megagrpo.train", "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, two), *common,
+         "grpo.per_device_train_batch_size=16"])
+    step1 = two / "checkpoints" / "step_00000001"
+    resumed = run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+                   *tiny_overrides(tiny, one), *common, "grpo.per_device_train_batch_size=32",
+                   f"checkpoint.resume={step1}"])
+    assert "(re-sharded from dp 2 to dp 1)" in resumed.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def losses(out):
+        acc = EventAccumulator(str(out / "tensorboard"))
+        acc.Reload()
+        return {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert list(losses(one)) == [2]
+    assert abs(losses(one)[2] - losses(two)[2]) < 1e-5, (losses(one), losses(two))
+    assert _prompts_by_step(one)[2] == _prompts_by_step(two)[2]
+    a = load_file(str(two / "hf" / "model.safetensors"))
+    b = load_file(str(one / "hf" / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=0, msg=name)
+
+    state = json.loads((step1 / "trainer_state.json").read_text())
+    state["layout"]["tp"] = 2
+    (step1 / "trainer_state.json").write_text(json.dumps(state))
+    refused = run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+                   *tiny_overrides(tiny, tmp_path / "tp"), *common, "grpo.per_device_train_batch_size=32",
+                   f"checkpoint.resume={step1}"], check=False)
+    assert refused.returncode != 0
+    assert "was saved with tp=2, this run has tp=1; re-sharding across tensor or pipeline layouts" in refused.stderr
