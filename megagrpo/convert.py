@@ -9,7 +9,8 @@ tokenizer) that transformers and vLLM load unchanged. Layouts:
 
   ZeRO 0-2   the module's weights, whole, in the model-states file
   ZeRO-3     every rank's float32 partition in its optimizer file; each parameter is
-             reassembled from the ranks' slices, files memory-mapped, one tensor at a time
+             reassembled from the ranks' slices, files memory-mapped and re-mapped every
+             16 MiB read, one tensor at a time
   pipeline   DeepSpeed's layer_XX-model_states.pt files, read one layer at a time and named
              as pipeline.py names them (embedding, decoder layers, final norm, untied head)
   AutoTP     refused (tensor-parallel shards are not merged here: export with
@@ -114,21 +115,39 @@ def _pipeline_tensors(layer_files):
             raise ConvertError(f"{path}: unexpected layer keys {sorted(state)[:5]}")
 
 
-def _zero3_tensors(model_file, optim_files):
-    """ZeRO-3: parameter p (numel n, in param_shapes order) occupies ceil(n / world) elements
-    of every rank's flat float32 group, at the same offset on each rank; the ranks' slices
-    concatenated, cut to n, give the parameter."""
-    shapes = {k: v for group in _load(model_file)["param_shapes"] for k, v in group.items()}
-    groups = [_load(f, mmap=True)["optimizer_state_dict"]["fp32_flat_groups"] for f in optim_files]
-    world = len(groups)
-    flats = [torch.cat(list(g)) if len(g) > 1 else g[0] for g in groups]
-    offset = 0
-    for name, shape in shapes.items():
-        numel = math.prod(shape)
-        part = math.ceil(numel / world)
-        full = torch.cat([flat[offset:offset + part] for flat in flats])[:numel]
-        yield name, full.view(shape)
-        offset += part
+def _zero3_tensors(model_file, optim_files, window_mb: int = 16):
+    """ZeRO-3: in each parameter group, parameter p (numel n, in param_shapes order) occupies
+    ceil(n / world) elements of every rank's flat float32 group, at the same offset on each
+    rank; the ranks' slices concatenated, cut to n, give the parameter.
+
+    The optimizer files are memory-mapped; pages read stay resident while the mapping lives,
+    so the files are mapped afresh every `window_mb` of parameters read: memory stays near the
+    window plus one parameter, not the model."""
+    import gc
+
+    groups_shapes = _load(model_file)["param_shapes"]
+
+    def open_flat_groups():
+        return [_load(f, mmap=True)["optimizer_state_dict"]["fp32_flat_groups"] for f in optim_files]
+    flat_groups, world, read = open_flat_groups(), len(optim_files), 0
+    for index, shapes in enumerate(groups_shapes):
+        offset = 0
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            part = math.ceil(numel / world)
+            full = torch.cat([groups[index][offset:offset + part] for groups in flat_groups])[:numel]
+            yield name, full.view(shape)
+            offset += part
+            read += part * world * full.element_size()
+            if read >= window_mb * 2**20:
+                del full
+                flat_groups = None
+                gc.collect()  # unmaps the files
+                flat_groups, read = open_flat_groups(), 0
+        if offset != flat_groups[0][index].numel():
+            raise ConvertError(f"{optim_files[0]}: parameter group {index} holds "
+                               f"{flat_groups[0][index].numel()} elements per rank, its parameters "
+                               f"{offset}; not a ZeRO-3 layout this reader knows")
 
 
 def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: int = 2048, log=print) -> None:

@@ -141,6 +141,10 @@ def test_resume_on_another_number_of_dp_ranks_continues_the_same_run(tiny, tmp_p
     b = load_file(str(one / "hf" / "model.safetensors"))
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=0, msg=name)
+    # the offline converter reassembles the two ranks' ZeRO-3 partitions into the same weights
+    run([f"{BIN}/megagrpo", "convert", "to-hf", str(two / "checkpoints" / "step_00000002"), str(tmp_path / "hf2")])
+    c = load_file(str(tmp_path / "hf2" / "model-00001.safetensors"))
+    assert sorted(c) == sorted(a) and all(torch.equal(c[k], a[k]) for k in a)
 
     state = json.loads((step1 / "trainer_state.json").read_text())
     state["layout"]["tp"] = 2
