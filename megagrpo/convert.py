@@ -13,8 +13,8 @@ tokenizer) that transformers and vLLM load unchanged. Layouts:
              16 MiB read, one tensor at a time
   pipeline   DeepSpeed's layer_XX-model_states.pt files, read one layer at a time and named
              as pipeline.py names them (embedding, decoder layers, final norm, untied head)
-  AutoTP     refused (tensor-parallel shards are not merged here: export with
-             checkpoint.save_hf_at_end, which gathers them live)
+  AutoTP     each model-parallel rank's tensors (read as above), the split ones joined
+             along the dimension the model's config says is tp times larger
 
 Files are read with torch.load(weights_only=True): tensors and plain containers, plus exactly
 three DeepSpeed types found in optimizer files (ZeroStageEnum, LossScaler, fragment_address).
@@ -79,21 +79,57 @@ def layout(ckpt: str) -> dict:
             "layer_files": len(layer_files), "trainer_state": trainer}
 
 
-def hf_tensors(ckpt: str) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensors(ckpt: str, model: str = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every weight of the checkpoint, one at a time where the layout
-    allows (ZeRO-3, pipeline); ZeRO 0-2 keep the module in one file."""
+    allows (ZeRO-3, pipeline); ZeRO 0-2 keep the module in one file. AutoTP shards are merged
+    using the full shapes of the model's config (`model`, default: the run's)."""
     info = layout(ckpt)
     layer_files, model_files, optim_files = _files(ckpt)
-    if info["kind"] == "autotp":
-        raise ConvertError(f"{ckpt}: a tensor-parallel (AutoTP) checkpoint ({info['model_parallel_files']} "
-                           "model-parallel files); merging its shards offline is not supported. Export "
-                           "the live model with checkpoint.save_hf_at_end=true instead")
     if info["kind"] == "pipeline":
         yield from _pipeline_tensors(layer_files)
-    elif info["zero_stage"] == 3:
-        yield from _zero3_tensors(model_files[0], optim_files)
+    elif info["kind"] == "autotp":
+        yield from _merge_tensor_parallel(ckpt, info, model or info["trainer_state"].get("model"))
     else:
-        yield from _load(model_files[0])["module"].items()
+        yield from _rank_tensors(info, model_files[0], optim_files)
+
+
+def _rank_tensors(info, model_file, optim_files):
+    """One model-parallel rank's tensors: reassembled from ZeRO-3 partitions, or as saved."""
+    if info["zero_stage"] == 3:
+        return _zero3_tensors(model_file, optim_files)
+    return iter(_load(model_file)["module"].items())
+
+
+def _merge_tensor_parallel(ckpt, info, model):
+    """AutoTP: each model-parallel rank holds a slice of the split layers (the same names, a
+    smaller size along the split dimension) and a copy of the others. The full shapes come from
+    the model's config (built on the meta device); a slice is joined along the dimension where
+    it is tp times smaller, in rank order."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if not model or not os.path.isfile(os.path.join(model, "config.json")):
+        raise ConvertError(f"{ckpt}: merging tensor-parallel shards needs the model's config; "
+                           f"pass --model PATH (the run's model.name_or_path), not '{model}'")
+    with torch.device("meta"):
+        full_shapes = {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(model)).named_parameters()}
+    _, model_files, optim_files = _files(ckpt)
+    tp = info["model_parallel_files"]
+    streams = []
+    for rank in range(tp):
+        tag = f"mp_rank_{rank:02d}"
+        streams.append(_rank_tensors(info, next(f for f in model_files if tag in f),
+                                     [f for f in optim_files if tag in f]))
+    for pieces in zip(*streams):
+        name, shards = pieces[0][0], [t for _, t in pieces]
+        full = full_shapes.get(name)
+        if full is None or tuple(shards[0].shape) == full:
+            yield name, shards[0]
+            continue
+        dims = [d for d in range(len(full)) if shards[0].shape[d] * tp == full[d]]
+        if len(dims) != 1:
+            raise ConvertError(f"{ckpt}: cannot tell how '{name}' {tuple(shards[0].shape)} x {tp} "
+                               f"splits {full}")
+        yield name, torch.cat(shards, dim=dims[0])
 
 
 def _pipeline_tensors(layer_files):
@@ -160,7 +196,7 @@ def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: i
                            f"('{model}'); pass --model PATH (the run's model.name_or_path)")
     config = json.load(open(os.path.join(model, "config.json")))
     tied = config.get("tie_word_embeddings", False)
-    tensors = ((n, t) for n, t in hf_tensors(ckpt) if not (tied and n == "lm_head.weight"))
+    tensors = ((n, t) for n, t in hf_tensors(ckpt, model) if not (tied and n == "lm_head.weight"))
     log(f"{ckpt}: {info['kind']} -> {out}")
     write_safetensors(tensors, out, shard_mb, DTYPES[dtype] if dtype else None, always_index=True)
     for name in HF_SIDE_FILES:
@@ -183,10 +219,10 @@ def inspect(ckpt: str) -> str:
     for key in ("step", "total_steps", "world_size", "dp_size", "layout", "model"):
         if key in trainer:
             lines.append(f"{key}: {trainer[key]}")
-    if info["kind"] != "autotp":
+    if info["kind"] != "autotp" or trainer.get("model"):
         total, count = 0, 0
         lines.append("tensors:")
-        for name, tensor in hf_tensors(ckpt):
+        for name, tensor in hf_tensors(ckpt, trainer.get("model")):
             lines.append(f"  {name:<56} {str(tuple(tensor.shape)):<16} {str(tensor.dtype).replace('torch.', '')}")
             total += tensor.numel()
             count += 1
