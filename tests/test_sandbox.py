@@ -87,8 +87,9 @@ def test_fork_bomb(reward):
 
 def test_fork_bomb_without_retry_hits_the_process_limit(reward):
     value, reason, comp = score(reward, "import os\nwhile True:\n    os.fork()")
+    # status "error", not "timeout": fork was refused by RLIMIT_NPROC and the program died of
+    # it. (Which traceback line ends up in the reason varies: forked children print too.)
     assert_contained(value, reason, comp, ["error"])
-    assert "BlockingIOError" in reason  # fork refused by RLIMIT_NPROC, not the timeout
 
 
 def test_allocating_50_gb(reward):
