@@ -79,16 +79,18 @@ def layout(ckpt: str) -> dict:
             "layer_files": len(layer_files), "trainer_state": trainer}
 
 
-def hf_tensors(ckpt: str, model: str = None) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensors(ckpt: str, model: str = None, info: dict = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every weight of the checkpoint, one at a time where the layout
     allows (ZeRO-3, pipeline); ZeRO 0-2 keep the module in one file. AutoTP shards are merged
-    using the full shapes of the model's config (`model`, default: the run's)."""
-    info = layout(ckpt)
+    using the full shapes of the model's config (`model`, default: the run's). `info` is
+    layout(ckpt) when the caller already has it."""
+    info = info or layout(ckpt)
     layer_files, model_files, optim_files = _files(ckpt)
     if info["kind"] == "pipeline":
         yield from _pipeline_tensors(layer_files)
     elif info["kind"] == "autotp":
-        yield from _merge_tensor_parallel(ckpt, info, model or info["trainer_state"].get("model"))
+        yield from _merge_tensor_parallel(ckpt, info, model or info["trainer_state"].get("model"),
+                                          model_files, optim_files)
     else:
         yield from _rank_tensors(info, model_files[0], optim_files)
 
@@ -100,7 +102,7 @@ def _rank_tensors(info, model_file, optim_files):
     return iter(_load(model_file)["module"].items())
 
 
-def _merge_tensor_parallel(ckpt, info, model):
+def _merge_tensor_parallel(ckpt, info, model, model_files, optim_files):
     """AutoTP: each model-parallel rank holds a slice of the split layers (the same names, a
     smaller size along the split dimension) and a copy of the others. The full shapes come from
     the model's config (built on the meta device); a slice is joined along the dimension where
@@ -112,7 +114,6 @@ def _merge_tensor_parallel(ckpt, info, model):
     with torch.device("meta"):
         full_shapes = {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(
             AutoConfig.from_pretrained(model)).named_parameters()}
-    _, model_files, optim_files = _files(ckpt)
     tp = info["model_parallel_files"]
     streams = []
     for rank in range(tp):
@@ -196,7 +197,7 @@ def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: i
                            f"('{model}'); pass --model PATH (the run's model.name_or_path)")
     config = json.load(open(os.path.join(model, "config.json")))
     tied = config.get("tie_word_embeddings", False)
-    tensors = ((n, t) for n, t in hf_tensors(ckpt, model) if not (tied and n == "lm_head.weight"))
+    tensors = ((n, t) for n, t in hf_tensors(ckpt, model, info) if not (tied and n == "lm_head.weight"))
     log(f"{ckpt}: {info['kind']} -> {out}")
     write_safetensors(tensors, out, shard_mb, DTYPES[dtype] if dtype else None, always_index=True)
     for name in HF_SIDE_FILES:
@@ -211,7 +212,7 @@ def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: i
 
 def inspect(ckpt: str) -> str:
     info = layout(ckpt)
-    trainer = info.pop("trainer_state")
+    trainer = info["trainer_state"]
     lines = [f"checkpoint: {ckpt}", f"layout: {info['kind']} (ZeRO stage {info['zero_stage']}, "
              f"{info['dp_partitions']} data-parallel partition(s), {info['model_parallel_files']} "
              f"model-parallel file(s), {info['layer_files']} pipeline layer file(s))",
@@ -222,7 +223,7 @@ def inspect(ckpt: str) -> str:
     if info["kind"] != "autotp" or trainer.get("model"):
         total, count = 0, 0
         lines.append("tensors:")
-        for name, tensor in hf_tensors(ckpt, trainer.get("model")):
+        for name, tensor in hf_tensors(ckpt, trainer.get("model"), info):
             lines.append(f"  {name:<56} {str(tuple(tensor.shape)):<16} {str(tensor.dtype).replace('torch.', '')}")
             total += tensor.numel()
             count += 1

@@ -30,7 +30,6 @@ from .metrics import MetricsLogger, StepStats, all_gather_1d, all_reduce, progre
 from .packing import balanced_microbatches
 from .model import (attention_implementation, build_policy, build_reference, deepspeed_config,
                     load_tokenizer, zero_stage)
-from .pipeline import PipelineLoss
 from .rewards import (RewardError, build_reward_functions, close_reward_functions,
                       component_metrics, compute_rewards)
 from .rollout import build_rollout_engine
@@ -109,9 +108,9 @@ class Trainer:
             1, math.ceil(g.num_train_epochs * self.sampler.steps_per_epoch))
         self.ds_config = deepspeed_config(cfg)
         self.pipeline = topology.pp_size > 1
-        self.pipeline_loss = PipelineLoss(g) if self.pipeline else None
+        self.pipeline_loss = pipeline.PipelineLoss(g) if self.pipeline else None
         self.policy = build_policy(cfg, self.ds_config, self.total_steps, self.pipeline_loss)
-        self.reference = (build_reference(cfg, self.ds_config, PipelineLoss(g) if self.pipeline else None)
+        self.reference = (build_reference(cfg, self.ds_config, pipeline.PipelineLoss(g) if self.pipeline else None)
                           if g.kl_coef > 0 else None)
         # one rollout per model group (tp group or pipeline), sampled by its first rank. Every
         # rank builds an engine (vLLM's external launcher forms its groups over all ranks); under
