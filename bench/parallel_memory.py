@@ -63,7 +63,7 @@ def probe(model, out_dir, tp, pp, stage):
     from megagrpo.model import build_policy, deepspeed_config
     from megagrpo.pipeline import PipelineLoss, micro_batch_item
     from megagrpo.rollout import Completion
-    from megagrpo.train import init_distributed
+    from megagrpo.distributed import init_distributed
 
     topology = init_distributed(tp_size=tp, pp_size=pp)
     before = live_tensor_bytes()

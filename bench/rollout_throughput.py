@@ -18,7 +18,7 @@ from megagrpo.config import Config, DataConfig, ModelConfig, RolloutConfig  # no
 from megagrpo.data import load_prompts  # noqa: E402
 from megagrpo.model import load_tokenizer  # noqa: E402
 from megagrpo.rollout import HFEngine, VLLMEngine  # noqa: E402
-from megagrpo.train import init_distributed  # noqa: E402
+from megagrpo.distributed import init_distributed  # noqa: E402
 
 
 def measure(engine, prompt_ids, n, repeats):

@@ -13,8 +13,20 @@ EXTRAS="$STACK,test"
 if command -v mpirun >/dev/null 2>&1; then EXTRAS="$EXTRAS,mpi"; fi
 STAMP="$VENV/.megagrpo-installed-$STACK"
 WANT="$(sha256sum setup.py | cut -c1-16)-$EXTRAS"
+build_deepspeed_ops() {
+  # DeepSpeed JIT-compiles its CPU shared-memory all-reduce op in the first job that needs it,
+  # every rank waiting on a lock meanwhile; built here once, jobs only load it.
+  if [ "$STACK" = cpu ]; then
+    # (a lock left by a killed process is removed first, as every megagrpo job does)
+    "$VENV/bin/python" -c "from megagrpo.distributed import SHM_OP, clear_stale_build_lock
+clear_stale_build_lock(SHM_OP)
+from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder('ShareMemCommBuilder').load()" 2>&1 | grep -E "megagrpo|^DeepSpeed|rror" || true
+  fi
+}
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   echo "megagrpo: $VENV is up to date ($STACK stack)"
+  build_deepspeed_ops
   exit 0
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
@@ -32,4 +44,5 @@ if ! CHECK="$("$VENV/bin/python" -c "import torch, deepspeed, transformers, vllm
   exit 1
 fi
 echo "$CHECK" | grep "^megagrpo:"
+build_deepspeed_ops
 echo "$WANT" > "$STAMP"

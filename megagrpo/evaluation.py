@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     from .model import load_tokenizer
     from .rewards import RewardError, build_reward_functions, close_reward_functions
     from .rollout import build_rollout_engine
-    from .train import init_distributed
+    from .distributed import init_distributed
 
     overrides = list(args.overrides) + [f"model.name_or_path={args.model}",
                                         f"data.eval_file={args.data}", f"data.train_file={args.data}"]

@@ -9,11 +9,9 @@ One step:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import socket
 import sys
 import time
 import traceback
@@ -24,6 +22,7 @@ from . import checkpoint, grpo, pipeline
 from .batch import RolloutBatch, make_batch
 from .logprobs import completion_logprobs
 from .config import Config, ConfigError, load_config
+from .distributed import init_distributed
 from .data import DataError, Prompt, PromptSampler, load_prompts
 from .loss import LossInputs, declare_stats, micro_batch_loss
 from .metrics import MetricsLogger, StepStats, all_gather_1d, all_reduce, progress_bar
@@ -35,52 +34,6 @@ from .rewards import (RewardError, build_reward_functions, close_reward_function
 from .rollout import build_rollout_engine
 from .topology import Topology
 from .weight_sync import sync_weights
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: int = 1) -> Topology:
-    """Create the job's process group (one plain process gets a world of one)."""
-    import deepspeed
-
-    mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
-    if "RANK" not in os.environ and not mpirun and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        # srun started the ranks: map SLURM's variables (MASTER_ADDR/PORT come from the script)
-        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
-                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
-    if "RANK" not in os.environ and not mpirun:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    # under mpirun DeepSpeed's MPI discovery (mpi4py) sets RANK/WORLD_SIZE/LOCAL_RANK and
-    # MASTER_ADDR; it would set MASTER_PORT to its default 29500 unless told the launcher's
-    deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes),
-                               distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
-    release_shm_allreduce_name()
-    topology = Topology.from_env(tp_size, pp_size)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(topology.local_rank)
-    return topology
-
-
-def release_shm_allreduce_name() -> None:
-    """Unlink this rank's /dev/shm all-reduce buffer name once every rank has mapped it.
-
-    DeepSpeed's CPU shared-memory all-reduce creates a ~70 MB /dev/shm file per rank and never
-    unlinks it, so each run would leak RAM until reboot. The mappings stay valid after unlinking.
-    """
-    import torch.distributed as dist
-
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if torch.cuda.is_available() or not addr or not port:
-        return
-    dist.barrier()
-    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"
-    if os.path.exists(name):
-        os.unlink(name)
 
 
 class Trainer:

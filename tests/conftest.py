@@ -1,9 +1,11 @@
 """Shared fixtures: the tiny model and demo task, built once per session with the real tools."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -12,14 +14,40 @@ PYTHON = sys.executable
 BIN = os.path.dirname(PYTHON)
 
 
-def run(cmd, timeout=900, env=None, check=True, cwd=ROOT):
-    """Run a command from the repository root; return the CompletedProcess (text output)."""
-    full_env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
-                             f"--- stderr\n{proc.stderr[-6000:]}")
-    return proc
+def run(cmd, timeout=600, env=None, check=True, cwd=ROOT):
+    """Run a command from the repository root; return the CompletedProcess (text output).
+
+    The command gets its own session. On timeout every process in it (launcher, ranks, vLLM
+    workers) is sent SIGABRT first, so Python's faulthandler prints where each one hung, then
+    killed; the error carries both outputs. Processes it leaves behind are killed as well.
+    """
+    full_env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
+                **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _signal_session(proc.pid, signal.SIGABRT)
+        time.sleep(5)
+        _signal_session(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{cmd} did not finish within {timeout} s (stacks below, from SIGABRT)\n"
+                             f"--- stdout\n{out[-6000:]}\n--- stderr\n{err[-12000:]}")
+    _signal_session(proc.pid, signal.SIGKILL)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{cmd} exited {result.returncode}\n--- stdout\n{out[-6000:]}\n"
+                             f"--- stderr\n{err[-6000:]}")
+    return result
+
+
+def _signal_session(pid: int, sig: int) -> None:
+    """Signal the process group a `run` command leads (no-op once it is empty)."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def free_port() -> int:
@@ -57,11 +85,19 @@ def write_jsonl(path, rows):
     return str(path)
 
 
+def pytest_runtest_logreport(report):
+    """Print a failure's report as it happens, not only in the summary at the end, so that a
+    run cut short (a CI time limit) still shows why the tests before the cut failed."""
+    if report.failed:
+        text = report.longreprtext
+        print(f"\n=== {report.nodeid} failed ({report.when}); end of its report:\n{text[-5000:]}\n===",
+              flush=True)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Remove DeepSpeed shm all-reduce files left by ranks killed before they unlinked them
     (only old ones: a job starting elsewhere needs its files until all its ranks have mapped them)."""
     import re
-    import time
 
     shm = "/dev/shm"
     if os.path.isdir(shm):

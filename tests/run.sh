@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 bash launch/install_system.sh
 bash launch/install.sh
 export PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest -v --durations=15 --timeout=1800 tests "$@"
+exec .venv/bin/python -m pytest -v --durations=15 --timeout=900 tests "$@"

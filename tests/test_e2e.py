@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import time
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -115,3 +116,22 @@ def test_malformed_data_stops_before_training(tiny, tmp_path):
                 *tiny_overrides(tiny, tmp_path / "run"), f"data.train_file={bad}"], check=False)
     assert proc.returncode == 1
     assert f"{bad}:2: malformed JSON" in proc.stderr
+
+
+def test_stale_deepspeed_build_lock_is_removed_not_waited_on(tiny, tmp_path):
+    """A process killed while loading DeepSpeed's CPU op leaves torch's build lock behind; the
+    next job removes an old one (naming it) instead of waiting forever, and waits on a young one."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from megagrpo.distributed import SHM_OP, clear_stale_build_lock
+
+    lock = os.path.join(_get_build_directory(SHM_OP, verbose=False), "lock")
+    open(lock, "w").close()
+    assert not clear_stale_build_lock(SHM_OP) and os.path.exists(lock)  # young: another builder
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    bad = write_jsonl(tmp_path / "bad.jsonl", ["{oops"])
+    proc = run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+                *tiny_overrides(tiny, tmp_path / "run"), f"data.train_file={bad}"], check=False, timeout=300)
+    assert f"removed {lock}: a build lock left 60 minutes ago" in proc.stderr
+    assert proc.returncode == 1 and f"{bad}:1: malformed JSON" in proc.stderr  # it went on to the data
+    assert not os.path.exists(lock)

@@ -51,7 +51,7 @@ def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp)
                 "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
                 f"parallel.tensor_parallel_size={tp}", "deepspeed=configs/ds_zero3.json"],
-               timeout=1200)
+               timeout=800)
     assert f"world {ranks} = dp {dp} x tp {tp}" in proc.stdout
     expected, got = _losses(reference), _losses(parallel)
     assert len(got) == 2 and abs(got[0] - expected[0]) < 1e-5, (expected, got)
@@ -141,7 +141,7 @@ def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, p
                 "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
                 f"parallel.pipeline_parallel_size={pp}", f"deepspeed=configs/{ds}.json"],
-               timeout=1200)
+               timeout=800)
     assert f"world {ranks} = dp {dp} x tp 1 x pp {pp}" in proc.stdout
     assert "stage=0 layers=2" in proc.stdout and "stage=1 layers=3" in proc.stdout  # by parameters
     expected, got = _losses(reference), _losses(parallel)

@@ -7,7 +7,7 @@ from conftest import free_port, run
 
 
 def test_quickstart_learns(tmp_path):
-    proc = run(["bash", "launch/quickstart.sh"], timeout=1500,
+    proc = run(["bash", "launch/quickstart.sh"], timeout=800,
                env={"RUN_DIR": str(tmp_path / "tiny"), "MASTER_PORT": str(free_port())})
     results = json.load(open(tmp_path / "tiny" / "grpo" / "eval_results.json"))
     before = results["before"]["rewards/answer_match"]

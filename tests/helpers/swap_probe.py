@@ -13,7 +13,8 @@ from megagrpo.batch import make_batch
 from megagrpo.logprobs import completion_logprobs
 from megagrpo.config import load_config
 from megagrpo.rollout import Completion
-from megagrpo.train import Trainer, init_distributed, parse_args
+from megagrpo.distributed import init_distributed
+from megagrpo.train import Trainer, parse_args
 
 
 def main():

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.fused_logprobs import fused_token_logprobs, naive_token_logprobs
-from megagrpo.train import release_shm_allreduce_name
+from megagrpo.distributed import release_shm_allreduce_name
 
 
 def main():

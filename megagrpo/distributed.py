@@ -1,0 +1,99 @@
+"""Starting the job's process group, and two DeepSpeed-on-CPU hazards handled on the way.
+
+- DeepSpeed JIT-compiles its CPU shared-memory all-reduce op when the process group starts, and
+  every process that loads it, even when nothing needs rebuilding, takes a lock file in the
+  build folder. A process killed while holding it (SIGKILL, preemption, a CI time limit) leaves
+  the file behind, and every later job on that machine (or home folder) then waits for it
+  forever, silently. An old lock is removed here, with a message naming it.
+- That op's /dev/shm buffers are never unlinked: each run would leak ~70 MB of RAM per rank.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import time
+
+import torch
+
+from .topology import Topology
+
+SHM_OP = "deepspeed_shm_comm"   # the op DeepSpeed builds in TorchBackend.__init__ on CPU
+STALE_LOCK_S = 600               # its build takes about a minute on 2 cores
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: int = 1) -> Topology:
+    """Create the job's process group (one plain process gets a world of one)."""
+    import deepspeed
+
+    mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
+    if "RANK" not in os.environ and not mpirun and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        # srun started the ranks: map SLURM's variables (MASTER_ADDR/PORT come from the script)
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+    if "RANK" not in os.environ and not mpirun:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    local_rank = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
+    if not torch.cuda.is_available() and local_rank == "0":
+        clear_stale_build_lock(SHM_OP)
+    # under mpirun DeepSpeed's MPI discovery (mpi4py) sets RANK/WORLD_SIZE/LOCAL_RANK and
+    # MASTER_ADDR; it would set MASTER_PORT to its default 29500 unless told the launcher's
+    deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes),
+                               distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
+    release_shm_allreduce_name()
+    topology = Topology.from_env(tp_size, pp_size)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(topology.local_rank)
+    return topology
+
+
+def clear_stale_build_lock(extension: str, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove a torch extension build lock older than `max_age_s`; say when one is younger.
+
+    Returns whether a lock was removed. Only one process per node calls this (local rank 0),
+    so two ranks cannot both remove a lock and then build at the same time.
+    """
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(extension, verbose=False), "lock")
+    try:
+        age = time.time() - os.stat(lock).st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        print(f"[megagrpo] {lock} exists ({age:.0f} s old): waiting for the process building "
+              f"{extension} to finish; if none is, delete that file", file=sys.stderr, flush=True)
+        return False
+    try:
+        os.unlink(lock)
+    except FileNotFoundError:
+        return False
+    print(f"[megagrpo] removed {lock}: a build lock left {age / 60:.0f} minutes ago by a process "
+          f"that died while loading {extension} (every job would have waited for it forever)",
+          file=sys.stderr, flush=True)
+    return True
+
+
+def release_shm_allreduce_name() -> None:
+    """Unlink this rank's /dev/shm all-reduce buffer name once every rank has mapped it.
+
+    DeepSpeed's CPU shared-memory all-reduce creates a ~70 MB /dev/shm file per rank and never
+    unlinks it, so each run would leak RAM until reboot. The mappings stay valid after unlinking.
+    """
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if torch.cuda.is_available() or not addr or not port:
+        return
+    dist.barrier()
+    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"
+    if os.path.exists(name):
+        os.unlink(name)
