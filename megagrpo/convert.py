@@ -2,10 +2,15 @@
 
     megagrpo convert inspect CKPT
     megagrpo convert to-hf CKPT OUT [--model HF_DIR] [--dtype float32|bfloat16] [--shard-mb N]
+    megagrpo convert hf-to-pipeline HF_DIR OUT --pipeline-parallel-size N [--dtype ...]
 
 CKPT is one checkpoint folder (output_dir/checkpoints/step_N). `to-hf` writes an HF folder
 (sharded safetensors with an index carrying each shard's sha256, config, generation config,
-tokenizer) that transformers and vLLM load unchanged. Layouts:
+tokenizer) that transformers and vLLM load unchanged. `hf-to-pipeline` rewrites an HF folder
+so that each pipeline stage's tensors (DeepSpeed's partition by parameters, as the trainer
+computes it) are one file: a pipeline run started from it has each rank read one file (the
+last stage also the embedding, when tied). The result is still an HF folder. Layouts to-hf
+reads:
 
   ZeRO 0-2   the module's weights, whole, in the model-states file
   ZeRO-3     every rank's float32 partition in its optimizer file; each parameter is
@@ -34,7 +39,8 @@ from typing import Iterator
 
 import torch
 
-from .checkpoint import MARKER, write_safetensors
+from .checkpoint import MARKER
+from .safetensors_writer import write_safetensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -200,10 +206,35 @@ def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: i
     tensors = ((n, t) for n, t in hf_tensors(ckpt, model, info) if not (tied and n == "lm_head.weight"))
     log(f"{ckpt}: {info['kind']} -> {out}")
     write_safetensors(tensors, out, shard_mb, DTYPES[dtype] if dtype else None, always_index=True)
+    _copy_side_files(model, out, dtype)
+
+
+def hf_to_pipeline(model: str, out: str, stages: int, dtype: str = None, log=print) -> None:
+    from .pipeline import ModelParts
+
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ConvertError(f"{model}: not an HF model folder (no config.json)")
+    parts = ModelParts(model, None, "sdpa")
+    if stages < 1 or stages > len(parts.layer_counts()):
+        raise ConvertError(f"--pipeline-parallel-size {stages}: the model has {len(parts.layer_counts())} "
+                           f"pipeline layers (embedding, decoder layers, norm, head)")
+    by_stage = parts.stage_tensor_names(stages)
+    stage_file = {name: f"model-stage{s + 1:03d}-of-{stages:03d}.safetensors"
+                  for s, names in enumerate(by_stage) for name in names}
+    log(f"{model} -> {out}: {stages} stage files ({', '.join(str(len(n)) for n in by_stage)} tensors)")
+    tensors = ((name, parts.source.tensor(name)) for names in by_stage for name in names)
+    write_safetensors(tensors, out, dtype=DTYPES[dtype] if dtype else None, always_index=True,
+                      shard_of=stage_file.__getitem__, metadata={"pipeline_parallel_size": stages})
+    _copy_side_files(model, out, dtype)
+
+
+def _copy_side_files(model: str, out: str, dtype: str = None) -> None:
+    """Config, generation config and tokenizer files; the config's dtype set to the output's."""
     for name in HF_SIDE_FILES:
         if os.path.isfile(os.path.join(model, name)):
             shutil.copy(os.path.join(model, name), os.path.join(out, name))
     if dtype:
+        config = json.load(open(os.path.join(model, "config.json")))
         config["dtype"] = dtype
         config.pop("torch_dtype", None)
         with open(os.path.join(out, "config.json"), "w") as f:
@@ -243,12 +274,21 @@ def main(argv=None) -> int:
     h.add_argument("--model", help="HF folder with config and tokenizer (default: the run's model)")
     h.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: as stored)")
     h.add_argument("--shard-mb", type=int, default=2048, help="shard size in MiB (default 2048)")
+    s = sub.add_parser("hf-to-pipeline", help="rewrite an HF folder as one safetensors file per "
+                                              "pipeline stage (still an HF folder)")
+    s.add_argument("model", help="HF model folder")
+    s.add_argument("out")
+    s.add_argument("--pipeline-parallel-size", type=int, required=True,
+                   help="stages, as parallel.pipeline_parallel_size of the run that will load it")
+    s.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: as stored)")
     args = p.parse_args(argv)
     try:
         if args.command == "inspect":
             print(inspect(args.checkpoint))
-        else:
+        elif args.command == "to-hf":
             to_hf(args.checkpoint, args.out, args.model, args.dtype, args.shard_mb)
+        else:
+            hf_to_pipeline(args.model, args.out, args.pipeline_parallel_size, args.dtype)
     except ConvertError as e:
         print(f"megagrpo convert: {e}", file=sys.stderr)
         return 2

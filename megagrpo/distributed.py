@@ -4,7 +4,8 @@
   every process that loads it, even when nothing needs rebuilding, takes a lock file in the
   build folder. A process killed while holding it (SIGKILL, preemption, a CI time limit) leaves
   the file behind, and every later job on that machine (or home folder) then waits for it
-  forever, silently. An old lock is removed here, with a message naming it.
+  forever, silently. Here a lock is waited on while it is young (someone is building) and
+  removed, with a message naming it, once it is old.
 - That op's /dev/shm buffers are never unlinked: each run would leak ~70 MB of RAM per rank.
 """
 from __future__ import annotations
@@ -56,28 +57,34 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
 
 
 def clear_stale_build_lock(extension: str, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove a torch extension build lock older than `max_age_s`; say when one is younger.
+    """Wait while a torch extension build lock is younger than `max_age_s` (someone is
+    building), then remove it if it is still there. Returns whether a lock was removed.
 
-    Returns whether a lock was removed. Only one process per node calls this (local rank 0),
-    so two ranks cannot both remove a lock and then build at the same time.
+    Only one process per node calls this (local rank 0), so two ranks cannot both remove a
+    lock and then build at the same time.
     """
     from torch.utils.cpp_extension import _get_build_directory
 
     lock = os.path.join(_get_build_directory(extension, verbose=False), "lock")
-    try:
-        age = time.time() - os.stat(lock).st_mtime
-    except FileNotFoundError:
-        return False
-    if age < max_age_s:
-        print(f"[megagrpo] {lock} exists ({age:.0f} s old): waiting for the process building "
-              f"{extension} to finish; if none is, delete that file", file=sys.stderr, flush=True)
-        return False
+    said = False
+    while True:
+        try:
+            age = time.time() - os.stat(lock).st_mtime
+        except FileNotFoundError:
+            return False
+        if age >= max_age_s:
+            break
+        if not said:
+            print(f"[megagrpo] {lock} exists ({age:.0f} s old): waiting for the process building "
+                  f"{extension}; removed if still there at {max_age_s:.0f} s", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(min(1.0, max_age_s - age))
     try:
         os.unlink(lock)
     except FileNotFoundError:
         return False
-    print(f"[megagrpo] removed {lock}: a build lock left {age / 60:.0f} minutes ago by a process "
-          f"that died while loading {extension} (every job would have waited for it forever)",
+    print(f"[megagrpo] removed {lock}: a build lock left {age / 60:.0f} minutes ago, by a process "
+          f"that died while loading {extension} (jobs would have waited for it forever)",
           file=sys.stderr, flush=True)
     return True
 

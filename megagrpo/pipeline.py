@@ -31,7 +31,8 @@ from .fused_logprobs import fused_token_logprobs, logprobs_from_logits
 from .packing import pack
 
 class SafetensorsSource:
-    """Reads single tensors by HF name from a model folder's safetensors files."""
+    """Reads single tensors by HF name from a model folder's safetensors files (cast to dtype,
+    unless None)."""
 
     def __init__(self, model_path: str, dtype: torch.dtype):
         self.model_path, self.dtype = model_path, dtype
@@ -50,7 +51,8 @@ class SafetensorsSource:
         if name not in self.file_of:
             raise KeyError(f"{self.model_path}: no tensor '{name}' in the safetensors files")
         with safe_open(os.path.join(self.model_path, self.file_of[name]), "pt") as f:
-            return f.get_tensor(name).to(self.dtype)
+            tensor = f.get_tensor(name)
+        return tensor if self.dtype is None else tensor.to(self.dtype)
 
     def load_into(self, module: torch.nn.Module, prefix: str) -> None:
         """Materialise a meta-device module and fill its parameters from `prefix` + name."""
@@ -87,12 +89,27 @@ class ModelParts:
         tied head holds its own copy of the embedding on the last stage)."""
         return [self.vocab * self.hidden, *self.layer_params, self.hidden, self.vocab * self.hidden]
 
+    def stage_bounds(self, stages: int) -> list[int]:
+        """DeepSpeed's parameter-balanced partition: stage s holds layers bounds[s]:bounds[s+1]."""
+        from deepspeed.runtime.utils import partition_balanced
+        return partition_balanced(weights=self.layer_counts(), num_parts=stages)
+
     def stage_parameters(self, stages: int) -> list[int]:
         """Parameters per stage under DeepSpeed's parameter-balanced partitioning."""
-        from deepspeed.runtime.utils import partition_balanced
-        counts = self.layer_counts()
-        bounds = partition_balanced(weights=counts, num_parts=stages)
+        counts, bounds = self.layer_counts(), self.stage_bounds(stages)
         return [sum(counts[bounds[s]:bounds[s + 1]]) for s in range(stages)]
+
+    def stage_tensor_names(self, stages: int) -> list[list[str]]:
+        """The HF tensors each stage's layers read (a tied head reads the first stage's
+        embedding, so it adds nothing here). Tensors of no layer go to the last stage."""
+        prefixes = ["model.embed_tokens.", *[f"model.layers.{i}." for i in range(len(self.layer_params))],
+                    "model.norm.", "lm_head."]
+        names, bounds = list(self.source.file_of), self.stage_bounds(stages)
+        by_stage = [[n for n in names if any(n.startswith(p) for p in prefixes[bounds[s]:bounds[s + 1]])]
+                    for s in range(stages)]
+        placed = {n for stage in by_stage for n in stage}
+        by_stage[-1] += [n for n in names if n not in placed]
+        return by_stage
 
 
 class Embedding(torch.nn.Module):

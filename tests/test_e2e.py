@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import threading
 import time
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -126,8 +127,13 @@ def test_stale_deepspeed_build_lock_is_removed_not_waited_on(tiny, tmp_path):
     from megagrpo.distributed import SHM_OP, clear_stale_build_lock
 
     lock = os.path.join(_get_build_directory(SHM_OP, verbose=False), "lock")
+    open(lock, "w").close()  # young: waited on while its builder works, here for 1 s
+    threading.Timer(1.0, os.unlink, [lock]).start()
+    start = time.time()
+    assert not clear_stale_build_lock(SHM_OP) and 0.9 < time.time() - start < 5
+    open(lock, "w").close()  # young, and nobody releases it: removed once it is max_age_s old
+    assert clear_stale_build_lock(SHM_OP, max_age_s=2) and not os.path.exists(lock)
     open(lock, "w").close()
-    assert not clear_stale_build_lock(SHM_OP) and os.path.exists(lock)  # young: another builder
     os.utime(lock, (time.time() - 3600, time.time() - 3600))
     bad = write_jsonl(tmp_path / "bad.jsonl", ["{oops"])
     proc = run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",

@@ -137,10 +137,20 @@ def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, p
     gradient norm (which DeepSpeed gets wrong under a fp32 ZeRO-0 pipeline) too."""
     dp = ranks // pp
     reference, parallel = single_rank(16 * dp), tmp_path / f"dp{dp}_pp{pp}"
+    # the run starts from the model rewritten as one file per stage (hf-to-pipeline)
+    staged = tmp_path / "staged"
+    run([f"{BIN}/megagrpo", "convert", "hf-to-pipeline", tiny["warm"], str(staged),
+         "--pipeline-parallel-size", str(pp)])
+    stage_files = json.load(open(staged / "model.safetensors.index.json"))["weight_map"]
+    first = sorted(n for n, f in stage_files.items() if f == "model-stage001-of-002.safetensors")
+    assert first and all(n == "model.embed_tokens.weight" or n.startswith("model.layers.0.") for n in first)
+    original = load_file(os.path.join(tiny["warm"], "model.safetensors"))
+    assert sorted(stage_files) == sorted(original)
     proc = run([f"{BIN}/deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
                 "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
-                f"parallel.pipeline_parallel_size={pp}", f"deepspeed=configs/{ds}.json"],
+                f"parallel.pipeline_parallel_size={pp}", f"deepspeed=configs/{ds}.json",
+                f"model.name_or_path={staged}"],
                timeout=800)
     assert f"world {ranks} = dp {dp} x tp 1 x pp {pp}" in proc.stdout
     assert "stage=0 layers=2" in proc.stdout and "stage=1 layers=3" in proc.stdout  # by parameters
