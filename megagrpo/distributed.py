@@ -6,6 +6,8 @@
   the file behind, and every later job on that machine (or home folder) then waits for it
   forever, silently. Here a lock is waited on while it is young (someone is building) and
   removed, with a message naming it, once it is old.
+- Torch's default build folder (~/.cache/torch_extensions) is shared by all of a user's venvs,
+  so jobs of two venvs rebuild the op under each other; it is kept inside the venv instead.
 - That op's /dev/shm buffers are never unlinked: each run would leak ~70 MB of RAM per rank.
 """
 from __future__ import annotations
@@ -42,6 +44,7 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
     if "RANK" not in os.environ and not mpirun:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    use_venv_extensions_dir()
     local_rank = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
     if not torch.cuda.is_available() and local_rank == "0":
         clear_stale_build_lock(SHM_OP)
@@ -54,6 +57,14 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
     if torch.cuda.is_available():
         torch.cuda.set_device(topology.local_rank)
     return topology
+
+
+def use_venv_extensions_dir() -> None:
+    """Build torch extensions (DeepSpeed's JIT ops) inside this venv unless TORCH_EXTENSIONS_DIR
+    says where: torch's default folder is shared by all of a user's venvs, and a job from one
+    rebuilds the op the other's jobs are loading."""
+    if "TORCH_EXTENSIONS_DIR" not in os.environ and os.access(sys.prefix, os.W_OK):
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
 
 
 def clear_stale_build_lock(extension: str, max_age_s: float = STALE_LOCK_S) -> bool:
