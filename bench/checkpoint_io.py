@@ -7,7 +7,8 @@ builds it saves a checkpoint with megagrpo's atomic save and loads it back (time
 disk); then `megagrpo convert to-hf` runs in a fresh process, timed, with its peak RSS (the
 process's ru_maxrss) next to the largest tensor and one output shard (goal: peak <= largest
 tensor + one shard + 20%, above the interpreter's own baseline, measured by `convert --help`
-in the same way). Prints a table and writes JSON.
+in the same way); then `convert hf-to-pipeline` rewrites that HF folder as 2 stage files, timed
+with its peak RSS. Prints a table and writes JSON.
 """
 import argparse
 import json
@@ -96,18 +97,24 @@ def main():
         convert_s, peak_mb = _peak_rss_mb([sys.executable, "-m", "megagrpo.cli", "convert", "to-hf",
                                            r["path"], out, "--shard-mb", str(SHARD_MB)])
         written = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
+        staged = os.path.join(work, f"{name}_pp2")
+        staged_s, staged_peak_mb = _peak_rss_mb([sys.executable, "-m", "megagrpo.cli", "convert",
+                                                 "hf-to-pipeline", out, staged, "--pipeline-parallel-size", "2"])
         budget_mb = (r["largest_tensor_bytes"] / 2**20 + SHARD_MB) * 1.2
         rows.append({"model": name, "params": r["params"], "checkpoint_bytes": r["bytes"],
                      "save_s": r["save_s"], "load_s": r["load_s"], "convert_s": convert_s,
                      "convert_gb_per_s": written / 1e9 / convert_s, "peak_rss_mb": peak_mb,
                      "peak_over_baseline_mb": peak_mb - baseline_mb, "budget_mb": budget_mb,
-                     "baseline_mb": baseline_mb})
+                     "baseline_mb": baseline_mb, "hf_to_pipeline_s": staged_s,
+                     "hf_to_pipeline_gb_per_s": written / 1e9 / staged_s,
+                     "hf_to_pipeline_peak_over_baseline_mb": staged_peak_mb - baseline_mb})
     print(f"\n{'model':<6}{'params':>10}{'ckpt MB':>9}{'save s':>8}{'load s':>8}{'conv s':>8}"
-          f"{'GB/s':>7}{'peak-base MB':>14}{'budget MB':>11}")
+          f"{'GB/s':>7}{'peak-base MB':>14}{'budget MB':>11}{'pp2 s':>7}{'pp2 GB/s':>9}{'pp2 peak-base':>14}")
     for r in rows:
         print(f"{r['model']:<6}{r['params'] / 1e6:>9.1f}M{r['checkpoint_bytes'] / 1e6:>9.1f}"
               f"{r['save_s']:>8.2f}{r['load_s']:>8.2f}{r['convert_s']:>8.2f}{r['convert_gb_per_s']:>7.2f}"
-              f"{r['peak_over_baseline_mb']:>14.0f}{r['budget_mb']:>11.0f}")
+              f"{r['peak_over_baseline_mb']:>14.0f}{r['budget_mb']:>11.0f}{r['hf_to_pipeline_s']:>7.2f}"
+              f"{r['hf_to_pipeline_gb_per_s']:>9.2f}{r['hf_to_pipeline_peak_over_baseline_mb']:>14.0f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
