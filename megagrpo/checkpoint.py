@@ -163,7 +163,7 @@ def read_trainer_state(path: str) -> dict:
 def to_universal(path: str, is_main: bool) -> str:
     """Collective: DeepSpeed's universal form of a ZeRO 1-3 checkpoint (ds_to_universal), made
     once next to it as `<tag>.universal`; returns its folder. A universal checkpoint loads
-    under another number of data-parallel ranks."""
+    under another number of data-parallel ranks, and an AutoTP one also at tp=1."""
     import subprocess
     import sys
 
@@ -181,9 +181,39 @@ def to_universal(path: str, is_main: bool) -> str:
     return out
 
 
+def needs_reshard(state: dict, dp: int, tp: int, pp: int, prompts_per_step: int, zero: int) -> bool:
+    """Whether a checkpoint with trainer state `state` must be re-sharded to continue on this
+    layout; ValueError says why it cannot. Re-sharding goes through DeepSpeed's universal
+    checkpoint: dp may change (same global batch), and a tensor-parallel (AutoTP) checkpoint
+    may go to tp=1; both sides ZeRO 1-3, no pipeline."""
+    saved = state.get("layout", {})
+    was_dp, was_tp, was_pp = state.get("dp_size", dp), saved.get("tp", tp), saved.get("pp", pp)
+    if was_pp != pp:
+        raise ValueError(f"was saved with pp={was_pp}, this run has pp={pp}; re-sharding across pipeline "
+                         "layouts is not supported: resume with the same pipeline_parallel_size")
+    if (was_dp, was_tp) == (dp, tp):
+        return False
+    change = f"dp={was_dp} x tp={was_tp} to dp={dp} x tp={tp}"
+    if pp > 1:
+        raise ValueError(f"is a pipeline checkpoint; re-sharding it ({change}) is not supported "
+                         "(DeepSpeed's universal checkpoint does not load pipeline layer files)")
+    if was_tp != tp and tp != 1:
+        raise ValueError(f"was saved with tp={was_tp}, this run has tp={tp}; a checkpoint re-shards to "
+                         f"tp=1 only (DeepSpeed 0.19.8's universal checkpoint fails to split it for tp={tp}): "
+                         f"resume with tensor_parallel_size={was_tp} or 1")
+    if state.get("prompts_per_step") != prompts_per_step:
+        raise ValueError(f"was saved with dp={was_dp} and {state.get('prompts_per_step', 'an unrecorded number of')} "
+                         f"prompts per step; this run has dp={dp} and {prompts_per_step}. To change dp keep "
+                         "the global batch: per_device_train_batch_size x dp the same")
+    if saved.get("zero_stage", 0) == 0 or zero == 0:
+        raise ValueError(f"is a ZeRO-0 checkpoint (or this run uses ZeRO-0); re-sharding it ({change}) goes "
+                         "through DeepSpeed's universal checkpoint, which needs ZeRO 1-3 on both sides")
+    return True
+
+
 def load(engine, path: str, rank: int, reshard: bool = False, is_main: bool = False) -> dict:
     """Collective: restore the engine, this rank's RNG; returns the trainer state. With
-    reshard, the checkpoint was saved by another number of data-parallel ranks: it is loaded
+    reshard, the checkpoint was saved with another dp (or tp, see needs_reshard): it is loaded
     through its universal form, and the ranks' RNG states (which belong to the old ranks) are
     not restored."""
     if not os.path.isfile(os.path.join(path, MARKER)):

@@ -421,13 +421,14 @@ class Trainer:
             return
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
+        was = (state["dp_size"], state.get("layout", {}).get("tp", self.topo.tp_size))
         self.log(f"resumed from {path} at step {self.step}"
-                 + (f" (re-sharded from dp {state['dp_size']} to dp {self.topo.dp_size})"
-                    if state["dp_size"] != self.topo.dp_size else ""))
+                 + (f" (re-sharded from dp {was[0]} x tp {was[1]} to dp {self.topo.dp_size} x tp "
+                    f"{self.topo.tp_size})" if was != (self.topo.dp_size, self.topo.tp_size) else ""))
 
     def _check_resumable(self, path: str) -> bool:
         """Refuse a checkpoint this run cannot continue (before loading anything); returns
-        whether it needs re-sharding (saved by another number of data-parallel ranks)."""
+        whether it needs re-sharding (saved with another number of data- or tensor-parallel ranks)."""
         try:
             state = checkpoint.read_trainer_state(path)
         except (OSError, ValueError):
@@ -437,22 +438,11 @@ class Trainer:
         if state.get("num_prompts", len(self.prompts)) != len(self.prompts):
             refuse(f"was saved with {state['num_prompts']} training prompts, this run has "
                    f"{len(self.prompts)}; the prompt order would not continue. Resume with the same data")
-        saved = state.get("layout", {})
-        for key, now in (("tp", self.topo.tp_size), ("pp", self.topo.pp_size)):
-            if saved.get(key, now) != now:
-                refuse(f"was saved with {key}={saved[key]}, this run has {key}={now}; re-sharding across "
-                       "tensor or pipeline layouts is not supported: resume with the same "
-                       "tensor_parallel_size and pipeline_parallel_size (dp may change)")
-        if state.get("dp_size", self.topo.dp_size) == self.topo.dp_size:
-            return False
-        if state.get("prompts_per_step") != self.sampler.global_batch:
-            refuse(f"was saved with dp={state['dp_size']} and {state.get('prompts_per_step', 'an unrecorded number of')} "
-                   f"prompts per step; this run has dp={self.topo.dp_size} and {self.sampler.global_batch}. "
-                   "To change dp keep the global batch: per_device_train_batch_size x dp the same")
-        if saved.get("zero_stage", 0) == 0 or zero_stage(self.ds_config) == 0:
-            refuse("is a ZeRO-0 checkpoint (or this run uses ZeRO-0); changing dp goes through "
-                   "DeepSpeed's universal checkpoint, which needs ZeRO 1-3 on both sides")
-        return True
+        try:
+            return checkpoint.needs_reshard(state, self.topo.dp_size, self.topo.tp_size, self.topo.pp_size,
+                                            self.sampler.global_batch, zero_stage(self.ds_config))
+        except ValueError as e:
+            refuse(str(e))
 
     def save(self) -> None:
         state = {"step": self.step, "sampler": self.sampler.state_dict(),

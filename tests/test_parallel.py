@@ -50,7 +50,8 @@ def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp)
     proc = run([f"{BIN}/deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
                 "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
-                f"parallel.tensor_parallel_size={tp}", "deepspeed=configs/ds_zero3.json"],
+                f"parallel.tensor_parallel_size={tp}", "deepspeed=configs/ds_zero3.json",
+                "checkpoint.save_steps=1"],
                timeout=800)
     assert f"world {ranks} = dp {dp} x tp {tp}" in proc.stdout
     expected, got = _losses(reference), _losses(parallel)
@@ -69,6 +70,18 @@ def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp)
     run([f"{BIN}/megagrpo", "convert", "to-hf", str(parallel / "checkpoints" / "step_00000002"), str(converted)])
     c = load_file(str(converted / "model-00001.safetensors"))
     assert sorted(c) == sorted(b) and all(torch.equal(c[k], b[k]) for k in b)
+    # re-sharded: its step-1 checkpoint resumed on one rank (DeepSpeed's universal checkpoint)
+    # continues the run: the same step-2 loss, prompts and final parameters
+    one = tmp_path / "resharded"
+    resumed = run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+                   *tiny_overrides(tiny, one), *COMMON, f"grpo.per_device_train_batch_size={16 * dp}",
+                   f"checkpoint.resume={parallel / 'checkpoints' / 'step_00000001'}"])
+    assert f"(re-sharded from dp {dp} x tp {tp} to dp 1 x tp 1)" in resumed.stdout
+    assert _scalars(one, "train/loss")[0][0] == 2 and abs(_losses(one)[0] - got[1]) < 1e-5, (_losses(one), got)
+    assert [json.loads(line)["prompts"] for line in open(one / "prompts_seen.jsonl")] == seen[1:]
+    d = load_file(str(one / "hf" / "model.safetensors"))
+    for name in b:
+        torch.testing.assert_close(d[name], b[name], atol=1e-5, rtol=0, msg=name)
 
 
 def test_refused_layouts(tiny, tmp_path, monkeypatch):

@@ -116,7 +116,7 @@ def test_crash_at_every_point_of_a_save_resumes_from_a_complete_checkpoint(tiny,
 def test_resume_on_another_number_of_dp_ranks_continues_the_same_run(tiny, tmp_path):
     """A dp=2 ZeRO-3 checkpoint (step 1) resumed on one rank with the same global batch goes
     through DeepSpeed's universal checkpoint: its step 2 has the loss of the original layout's
-    step 2, the same prompts, and ends with the same parameters. A change of tp is refused."""
+    step 2, the same prompts, and ends with the same parameters. A change of pp is refused."""
     common = ["data.eval_file=null", "grpo.max_steps=2", "grpo.learning_rate=1e-4",
               "logging.sample_steps=0", "checkpoint.save_steps=1"]
     two, one = tmp_path / "dp2", tmp_path / "dp1"
@@ -127,7 +127,7 @@ def test_resume_on_another_number_of_dp_ranks_continues_the_same_run(tiny, tmp_p
     resumed = run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                    *tiny_overrides(tiny, one), *common, "grpo.per_device_train_batch_size=32",
                    f"checkpoint.resume={step1}"])
-    assert "(re-sharded from dp 2 to dp 1)" in resumed.stdout
+    assert "(re-sharded from dp 2 x tp 1 to dp 1 x tp 1)" in resumed.stdout
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     def losses(out):
@@ -147,10 +147,36 @@ def test_resume_on_another_number_of_dp_ranks_continues_the_same_run(tiny, tmp_p
     assert sorted(c) == sorted(a) and all(torch.equal(c[k], a[k]) for k in a)
 
     state = json.loads((step1 / "trainer_state.json").read_text())
-    state["layout"]["tp"] = 2
+    state["layout"]["pp"] = 2
     (step1 / "trainer_state.json").write_text(json.dumps(state))
     refused = run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
-                   *tiny_overrides(tiny, tmp_path / "tp"), *common, "grpo.per_device_train_batch_size=32",
+                   *tiny_overrides(tiny, tmp_path / "pp"), *common, "grpo.per_device_train_batch_size=32",
                    f"checkpoint.resume={step1}"], check=False)
     assert refused.returncode != 0
-    assert "was saved with tp=2, this run has tp=1; re-sharding across tensor or pipeline layouts" in refused.stderr
+    assert f"checkpoint '{step1}' was saved with pp=2, this run has pp=1; re-sharding across pipeline" in refused.stderr
+
+
+@pytest.mark.parametrize("saved,now,refusal", [
+    ((2, 1, 1, 4, 3), (1, 1, 1, 4, 3), None),          # dp 2 -> 1, same global batch
+    ((1, 2, 1, 4, 3), (1, 1, 1, 4, 3), None),          # AutoTP tp 2 -> 1
+    ((2, 2, 1, 4, 1), (1, 1, 1, 4, 1), None),          # both
+    ((2, 1, 1, 4, 3), (2, 1, 1, 4, 3), False),         # same layout: plain load
+    ((1, 1, 1, 4, 3), (1, 2, 1, 4, 3), "re-shards to tp=1 only"),
+    ((1, 4, 1, 4, 3), (1, 2, 1, 4, 3), "re-shards to tp=1 only"),
+    ((1, 1, 2, 4, 1), (1, 1, 1, 4, 1), "re-sharding across pipeline layouts"),
+    ((2, 1, 2, 4, 1), (1, 1, 2, 4, 1), "is a pipeline checkpoint"),
+    ((2, 1, 1, 4, 3), (1, 1, 1, 8, 3), "keep the global batch"),
+    ((2, 1, 1, 4, 0), (1, 1, 1, 4, 3), "ZeRO-0 checkpoint"),
+    ((2, 1, 1, 4, 3), (1, 1, 1, 4, 0), "ZeRO-0 checkpoint"),
+])
+def test_which_layout_changes_re_shard(saved, now, refusal):
+    """(dp, tp, pp, prompts per step, ZeRO stage) saved and now: what needs_reshard decides."""
+    from megagrpo.checkpoint import needs_reshard
+
+    dp, tp, pp, prompts, zero = saved
+    state = {"dp_size": dp, "prompts_per_step": prompts, "layout": {"tp": tp, "pp": pp, "zero_stage": zero}}
+    if isinstance(refusal, str):
+        with pytest.raises(ValueError, match=refusal):
+            needs_reshard(state, *now)
+    else:
+        assert needs_reshard(state, *now) is (refusal is None)
