@@ -214,6 +214,8 @@ def hf_to_pipeline(model: str, out: str, stages: int, dtype: str = None, log=pri
 
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ConvertError(f"{model}: not an HF model folder (no config.json)")
+    if os.path.realpath(model) == os.path.realpath(out):
+        raise ConvertError(f"{out}: the output folder is the model folder; write to another one")
     parts = ModelParts(model, None, "sdpa")
     if stages < 1 or stages > len(parts.layer_counts()):
         raise ConvertError(f"--pipeline-parallel-size {stages}: the model has {len(parts.layer_counts())} "
