@@ -17,12 +17,8 @@ build_deepspeed_ops() {
   # DeepSpeed JIT-compiles its CPU shared-memory all-reduce op in the first job that needs it,
   # every rank waiting on a lock meanwhile; built here once, jobs only load it.
   if [ "$STACK" = cpu ]; then
-    # (a lock left by a killed process is removed first, as every megagrpo job does)
-    "$VENV/bin/python" -c "from megagrpo.distributed import SHM_OP, clear_stale_build_lock, use_venv_extensions_dir
-use_venv_extensions_dir()
-clear_stale_build_lock(SHM_OP)
-from deepspeed.accelerator import get_accelerator
-get_accelerator().create_op_builder('ShareMemCommBuilder').load()" 2>&1 | grep -E "megagrpo|^DeepSpeed|rror" || true
+    "$VENV/bin/python" -c "from megagrpo.distributed import build_cpu_ops; build_cpu_ops()" 2>&1 \
+      | grep -E "megagrpo|^DeepSpeed|rror" || true
   fi
 }
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then

@@ -149,10 +149,12 @@ def save(engine, root: str, step: int, trainer_state: dict, keep_last: int, is_m
 
 
 def _prune(root: str, keep_last: int, current: str) -> None:
-    """Keep the newest keep_last checkpoints up to `current` (the one `latest` names)."""
+    """Keep the newest keep_last checkpoints up to `current` (the one `latest` names); a pruned
+    checkpoint's universal form (made when a run re-sharded it) goes with it."""
     tags = [t for t in complete_checkpoints(root) if t <= current]
     for tag in tags[:-keep_last]:
         shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
+        shutil.rmtree(os.path.join(root, f"{tag}.universal"), ignore_errors=True)
 
 
 def read_trainer_state(path: str) -> dict:

@@ -217,9 +217,10 @@ def hf_to_pipeline(model: str, out: str, stages: int, dtype: str = None, log=pri
     if os.path.realpath(model) == os.path.realpath(out):
         raise ConvertError(f"{out}: the output folder is the model folder; write to another one")
     parts = ModelParts(model, None, "sdpa")
-    if stages < 1 or stages > len(parts.layer_counts()):
-        raise ConvertError(f"--pipeline-parallel-size {stages}: the model has {len(parts.layer_counts())} "
-                           f"pipeline layers (embedding, decoder layers, norm, head)")
+    layers = len(parts.layer_counts())
+    if not 1 <= stages <= layers:
+        raise ConvertError(f"--pipeline-parallel-size {stages}: the model has {layers} pipeline "
+                           "layers (embedding, decoder layers, norm, head); use 1 to that many")
     by_stage = parts.stage_tensor_names(stages)
     stage_file = {name: f"model-stage{s + 1:03d}-of-{stages:03d}.safetensors"
                   for s, names in enumerate(by_stage) for name in names}

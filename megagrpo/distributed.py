@@ -44,10 +44,8 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
     if "RANK" not in os.environ and not mpirun:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    use_venv_extensions_dir()
     local_rank = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
-    if not torch.cuda.is_available() and local_rank == "0":
-        clear_stale_build_lock(SHM_OP)
+    prepare_op_build(clear_lock=local_rank == "0")
     # under mpirun DeepSpeed's MPI discovery (mpi4py) sets RANK/WORLD_SIZE/LOCAL_RANK and
     # MASTER_ADDR; it would set MASTER_PORT to its default 29500 unless told the launcher's
     deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes),
@@ -57,6 +55,22 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
     if torch.cuda.is_available():
         torch.cuda.set_device(topology.local_rank)
     return topology
+
+
+def prepare_op_build(clear_lock: bool = True) -> None:
+    """Before DeepSpeed loads its CPU op: the venv's build folder, and (on one process per
+    node) no lock left by a dead process."""
+    use_venv_extensions_dir()
+    if clear_lock and not torch.cuda.is_available():
+        clear_stale_build_lock(SHM_OP)
+
+
+def build_cpu_ops() -> None:
+    """Build DeepSpeed's CPU op now (launch/install.sh), so that jobs only load it."""
+    from deepspeed.accelerator import get_accelerator
+
+    prepare_op_build()
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
 
 
 def use_venv_extensions_dir() -> None:

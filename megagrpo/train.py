@@ -421,10 +421,11 @@ class Trainer:
             return
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
-        was = (state["dp_size"], state.get("layout", {}).get("tp", self.topo.tp_size))
-        self.log(f"resumed from {path} at step {self.step}"
-                 + (f" (re-sharded from dp {was[0]} x tp {was[1]} to dp {self.topo.dp_size} x tp "
-                    f"{self.topo.tp_size})" if was != (self.topo.dp_size, self.topo.tp_size) else ""))
+        note = ""
+        if reshard:
+            note = (f" (re-sharded from dp {state['dp_size']} x tp {state['layout'].get('tp', 1)} "
+                    f"to dp {self.topo.dp_size} x tp {self.topo.tp_size})")
+        self.log(f"resumed from {path} at step {self.step}{note}")
 
     def _check_resumable(self, path: str) -> bool:
         """Refuse a checkpoint this run cannot continue (before loading anything); returns

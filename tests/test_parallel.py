@@ -84,6 +84,22 @@ def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp)
         torch.testing.assert_close(d[name], b[name], atol=1e-5, rtol=0, msg=name)
 
 
+def test_hf_to_pipeline_refusals(tiny, tmp_path, capsys):
+    """Bad inputs of `convert hf-to-pipeline` end with exit 2 and a message naming the problem;
+    nothing is written (the writer would clear the model's own shards if pointed at them)."""
+    from megagrpo.convert import main as convert
+
+    cases = [([tiny["warm"], tiny["warm"], "--pipeline-parallel-size", "2"], "the output folder is the model folder"),
+             ([tiny["warm"], str(tmp_path / "a"), "--pipeline-parallel-size", "6"],
+              "--pipeline-parallel-size 6: the model has 5 pipeline layers"),
+             ([tiny["data"], str(tmp_path / "b"), "--pipeline-parallel-size", "2"], "not an HF model folder")]
+    for args, message in cases:
+        assert convert(["hf-to-pipeline", *args]) == 2
+        assert message in capsys.readouterr().err, args
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert os.path.isfile(os.path.join(tiny["warm"], "model.safetensors"))
+
+
 def test_refused_layouts(tiny, tmp_path, monkeypatch):
     base = tiny_overrides(tiny, tmp_path)
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 with ZeRO stage 3: DeepSpeed "

@@ -180,3 +180,17 @@ def test_which_layout_changes_re_shard(saved, now, refusal):
             needs_reshard(state, *now)
     else:
         assert needs_reshard(state, *now) is (refusal is None)
+
+
+def test_pruning_takes_a_checkpoints_universal_form_with_it(tmp_path):
+    """keep_last counts complete checkpoints up to the one `latest` names; a pruned one's
+    `<tag>.universal` (made when a run re-sharded it) is removed too, the kept ones' stay."""
+    from megagrpo.checkpoint import MARKER, _prune
+
+    for step in (1, 2, 3):
+        for folder in (f"step_{step:08d}", f"step_{step:08d}.universal"):
+            (tmp_path / folder).mkdir()
+        (tmp_path / f"step_{step:08d}" / MARKER).write_text("x")
+    _prune(str(tmp_path), keep_last=2, current="step_00000003")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_00000002", "step_00000002.universal", "step_00000003", "step_00000003.universal"]
