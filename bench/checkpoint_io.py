@@ -46,8 +46,8 @@ def save_and_load(model_dir, ckpt_root):
 
     from megagrpo import checkpoint
     from megagrpo.config import load_config
-    from megagrpo.model import build_policy, deepspeed_config
-    from megagrpo.distributed import init_distributed
+    from megagrpo.engines.models import build_policy, deepspeed_config
+    from megagrpo.cluster.distributed import init_distributed
 
     init_distributed()
     data = os.path.join(ckpt_root, "data.jsonl")

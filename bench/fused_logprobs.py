@@ -31,7 +31,7 @@ def max_rss_mib() -> float:
 def child(args):
     """One variant in this process; prints its result as one JSON line."""
     import torch
-    from megagrpo.fused_logprobs import fused_token_logprobs, naive_token_logprobs
+    from megagrpo.engines.fused_logprobs import fused_token_logprobs, naive_token_logprobs
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -58,12 +58,12 @@ def _config(model, data, tp, pp, stage):
 
 def probe(model, out_dir, tp, pp, stage):
     """Runs inside each rank (under the deepspeed launcher)."""
-    from megagrpo.batch import make_batch
-    from megagrpo.logprobs import completion_logprobs
-    from megagrpo.model import build_policy, deepspeed_config
-    from megagrpo.pipeline import PipelineLoss, micro_batch_item
-    from megagrpo.rollout import Completion
-    from megagrpo.distributed import init_distributed
+    from megagrpo.rollout.batch import make_batch
+    from megagrpo.engines.logprobs import completion_logprobs
+    from megagrpo.engines.models import build_policy, deepspeed_config
+    from megagrpo.engines.pipeline_module import PipelineLoss, micro_batch_item
+    from megagrpo.rollout.engines import Completion
+    from megagrpo.cluster.distributed import init_distributed
 
     topology = init_distributed(tp_size=tp, pp_size=pp)
     before = live_tensor_bytes()
@@ -114,7 +114,7 @@ def main():
     if args.probe:
         return probe(*args.probe, *args.layout)
 
-    from megagrpo.plan import make_plan
+    from megagrpo.cluster.plan import make_plan
     work = tempfile.mkdtemp(prefix="megagrpo-memory-")
     model = os.path.join(work, "model")
     subprocess.run([sys.executable, f"{ROOT}/tools/make_tiny_model.py", "--out", model,

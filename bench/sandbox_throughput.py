@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megagrpo.rewards_code import CodeReward  # noqa: E402
-from megagrpo.sandbox import Sandbox, sandbox_python  # noqa: E402
+from megagrpo.rewards.code import CodeReward  # noqa: E402
+from megagrpo.rewards.sandbox import Sandbox, sandbox_python  # noqa: E402
 
 PROGRAM = "print(sum(range(10)))"
 

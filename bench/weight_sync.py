@@ -16,9 +16,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megagrpo.config import Config, ModelConfig, RolloutConfig  # noqa: E402
-from megagrpo.rollout import VLLMEngine  # noqa: E402
-from megagrpo.distributed import init_distributed  # noqa: E402
-from megagrpo.weight_sync import named_full_tensors, sync_weights  # noqa: E402
+from megagrpo.rollout.engines import VLLMEngine  # noqa: E402
+from megagrpo.cluster.distributed import init_distributed  # noqa: E402
+from megagrpo.rollout.weight_sync import named_full_tensors, sync_weights  # noqa: E402
 
 
 def best_of(fn, repeats):

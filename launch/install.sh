@@ -17,7 +17,7 @@ build_deepspeed_ops() {
   # DeepSpeed JIT-compiles its CPU shared-memory all-reduce op in the first job that needs it,
   # every rank waiting on a lock meanwhile; built here once, jobs only load it.
   if [ "$STACK" = cpu ]; then
-    "$VENV/bin/python" -c "from megagrpo.distributed import build_cpu_ops; build_cpu_ops()" 2>&1 \
+    "$VENV/bin/python" -c "from megagrpo.cluster.distributed import build_cpu_ops; build_cpu_ops()" 2>&1 \
       | grep -E "megagrpo|^DeepSpeed|rror" || true
   fi
 }

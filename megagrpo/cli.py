@@ -23,7 +23,7 @@ commands:
 
 
 def validate(argv) -> int:
-    from .config import ConfigError, load_config, to_dict
+    from megagrpo.config import ConfigError, load_config, to_dict
 
     p = argparse.ArgumentParser(prog="megagrpo validate",
                                 description="Check a config (and overrides); print the result.")
@@ -43,8 +43,8 @@ def validate(argv) -> int:
 def plan(argv) -> int:
     import os
 
-    from .config import ConfigError, load_config
-    from .plan import format_plan, make_plan
+    from megagrpo.config import ConfigError, load_config
+    from megagrpo.cluster.plan import format_plan, make_plan
 
     p = argparse.ArgumentParser(prog="megagrpo plan",
                                 description="Print the layout and the memory each rank will hold.")
@@ -58,7 +58,7 @@ def plan(argv) -> int:
     args = p.parse_args(argv)
     nodes = None
     if args.hostfile:
-        from .hostfile import HostfileError, describe, parse_hostfile, select
+        from megagrpo.cluster.hostfile import HostfileError, describe, parse_hostfile, select
         try:
             hosts = select(parse_hostfile(args.hostfile), args.num_nodes, args.slots_per_node)
         except HostfileError as e:
@@ -84,17 +84,17 @@ def main(argv=None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
-        from .train import main as train_main
+        from megagrpo.train import main as train_main
         return train_main(rest)
     if command == "validate":
         return validate(rest)
     if command == "plan":
         return plan(rest)
     if command == "eval":
-        from .evaluation import main as eval_main
+        from megagrpo.evaluation import main as eval_main
         return eval_main(rest)
     if command == "convert":
-        from .convert import main as convert_main
+        from megagrpo.checkpoints.convert import main as convert_main
         return convert_main(rest)
     print(f"megagrpo: unknown command '{command}'\n{USAGE}", file=sys.stderr)
     return 2

@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from .rewards import compute_rewards
+from megagrpo.rewards import compute_rewards
 
 
 # ---- metrics (pure functions of texts and counts) ----------------------------------------------
@@ -188,13 +188,13 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="key.sub=value settings (e.g. rollout.engine=hf)")
     args = p.parse_args(argv)
 
-    from .config import ConfigError, load_config
-    from .data import DataError, load_prompts
-    from .metrics import MetricsLogger
-    from .model import load_tokenizer
-    from .rewards import RewardError, build_reward_functions, close_reward_functions
-    from .rollout import build_rollout_engine
-    from .distributed import init_distributed
+    from megagrpo.config import ConfigError, load_config
+    from megagrpo.data import DataError, load_prompts
+    from megagrpo.metrics import MetricsLogger
+    from megagrpo.engines.models import load_tokenizer
+    from megagrpo.rewards import RewardError, build_reward_functions, close_reward_functions
+    from megagrpo.rollout.engines import build_rollout_engine
+    from megagrpo.cluster.distributed import init_distributed
 
     overrides = list(args.overrides) + [f"model.name_or_path={args.model}",
                                         f"data.eval_file={args.data}", f"data.train_file={args.data}"]

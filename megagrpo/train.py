@@ -18,22 +18,24 @@ import traceback
 
 import torch
 
-from . import checkpoint, grpo, pipeline
-from .batch import RolloutBatch, make_batch
-from .logprobs import completion_logprobs
-from .config import Config, ConfigError, load_config
-from .distributed import init_distributed
-from .data import DataError, Prompt, PromptSampler, load_prompts
-from .loss import LossInputs, declare_stats, micro_batch_loss
-from .metrics import MetricsLogger, StepStats, all_gather_1d, all_reduce, progress_bar
-from .packing import balanced_microbatches
-from .model import (attention_implementation, build_policy, build_reference, deepspeed_config,
+from megagrpo.algorithm import grpo
+from megagrpo.checkpoints import checkpoint
+from megagrpo.engines import pipeline_module as pipeline
+from megagrpo.rollout.batch import RolloutBatch, make_batch
+from megagrpo.engines.logprobs import completion_logprobs
+from megagrpo.config import Config, ConfigError, load_config
+from megagrpo.cluster.distributed import init_distributed
+from megagrpo.data import DataError, Prompt, PromptSampler, load_prompts
+from megagrpo.algorithm.loss import LossInputs, declare_stats, micro_batch_loss
+from megagrpo.metrics import MetricsLogger, StepStats, all_gather_1d, all_reduce, progress_bar
+from megagrpo.engines.packing import balanced_microbatches
+from megagrpo.engines.models import (attention_implementation, build_policy, build_reference, deepspeed_config,
                     load_tokenizer, zero_stage)
-from .rewards import (RewardError, build_reward_functions, close_reward_functions,
+from megagrpo.rewards import (RewardError, build_reward_functions, close_reward_functions,
                       component_metrics, compute_rewards)
-from .rollout import build_rollout_engine
-from .topology import Topology
-from .weight_sync import sync_weights
+from megagrpo.rollout.engines import build_rollout_engine
+from megagrpo.cluster.topology import Topology
+from megagrpo.rollout.weight_sync import sync_weights
 
 
 class Trainer:
@@ -487,7 +489,7 @@ def main(argv=None) -> int:
         return 2
     if args.dry_run:
         if int(os.environ.get("RANK", "0")) == 0:
-            from .plan import format_plan, make_plan
+            from megagrpo.cluster.plan import format_plan, make_plan
             print(format_plan(make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))))
         return 0
     topology = init_distributed(args.timeout_minutes, cfg.parallel.tensor_parallel_size,

@@ -2,7 +2,7 @@
 import pytest
 
 from megagrpo.data import DataError, PromptSampler, load_prompts
-from megagrpo.model import load_tokenizer
+from megagrpo.engines.models import load_tokenizer
 from conftest import write_jsonl
 
 

@@ -124,7 +124,7 @@ def test_stale_deepspeed_build_lock_is_removed_not_waited_on(tiny, tmp_path):
     next job removes an old one (naming it) instead of waiting forever, and waits on a young one."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    from megagrpo.distributed import SHM_OP, clear_stale_build_lock, use_venv_extensions_dir
+    from megagrpo.cluster.distributed import SHM_OP, clear_stale_build_lock, use_venv_extensions_dir
 
     use_venv_extensions_dir()  # as the trainer does: the venv's own build folder
     assert os.environ["TORCH_EXTENSIONS_DIR"].startswith(sys.prefix)

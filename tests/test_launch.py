@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
 import daemons  # noqa: E402
 import hostfile_from_slurm as hfs  # noqa: E402
 
-from megagrpo.hostfile import HostfileError, parse_hostfile  # noqa: E402
+from megagrpo.cluster.hostfile import HostfileError, parse_hostfile  # noqa: E402
 
 # a short GRPO run: transformers rollout (vLLM is not the point here), 2 steps, no eval/export
 SHORT = {"rollout.engine": "hf", "grpo.max_steps": 2, "grpo.per_device_train_batch_size": 16,

@@ -5,10 +5,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megagrpo import grpo
-from megagrpo.batch import make_batch
-from megagrpo.logprobs import completion_logprobs, install_logprob_head
-from megagrpo.packing import balanced_microbatches, pack
-from megagrpo.rollout import Completion
+from megagrpo.rollout.batch import make_batch
+from megagrpo.engines.logprobs import completion_logprobs, install_logprob_head
+from megagrpo.engines.packing import balanced_microbatches, pack
+from megagrpo.rollout.engines import Completion
 
 PATHS = [(True, True), (True, False), (False, True), (False, False)]  # (packing, fused)
 

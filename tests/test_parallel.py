@@ -87,7 +87,7 @@ def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp)
 def test_hf_to_pipeline_refusals(tiny, tmp_path, capsys):
     """Bad inputs of `convert hf-to-pipeline` end with exit 2 and a message naming the problem;
     nothing is written (the writer would clear the model's own shards if pointed at them)."""
-    from megagrpo.convert import main as convert
+    from megagrpo.checkpoints.convert import main as convert
 
     cases = [([tiny["warm"], tiny["warm"], "--pipeline-parallel-size", "2"], "the output folder is the model folder"),
              ([tiny["warm"], str(tmp_path / "a"), "--pipeline-parallel-size", "6"],
@@ -144,7 +144,7 @@ def test_plan_counts_bytes_per_rank(tiny, tmp_path):
                 *tiny_overrides(tiny, tmp_path), "parallel.tensor_parallel_size=2"])
     assert "world 4 = dp 2 x tp 2 x pp 1; ZeRO stage 3" in proc.stdout
     assert "    3        1       2/2         0" in proc.stdout
-    from megagrpo.plan import count_parameters, make_plan
+    from megagrpo.cluster.plan import count_parameters, make_plan
     assert count_parameters(tiny["warm"]) == (sharded + replicated, sharded)
     cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + ["parallel.tensor_parallel_size=2"])
     per_rank = make_plan(cfg, 4).per_rank

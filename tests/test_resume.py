@@ -79,7 +79,7 @@ def test_crash_at_every_point_of_a_save_resumes_from_a_complete_checkpoint(tiny,
     but `latest` not updated, `latest` updated but older ones not pruned); each restart resumes
     from a complete checkpoint and the run ends at step 6 with all its steps' prompts. Then a corrupt newest checkpoint (a truncated
     DeepSpeed file, COMPLETE marker present) is reported and the previous one loaded."""
-    from megagrpo.checkpoint import CRASH_POINTS
+    from megagrpo.checkpoints.checkpoint import CRASH_POINTS
 
     out = tmp_path / "run"
     command = [sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
@@ -171,7 +171,7 @@ def test_resume_on_another_number_of_dp_ranks_continues_the_same_run(tiny, tmp_p
 ])
 def test_which_layout_changes_re_shard(saved, now, refusal):
     """(dp, tp, pp, prompts per step, ZeRO stage) saved and now: what needs_reshard decides."""
-    from megagrpo.checkpoint import needs_reshard
+    from megagrpo.checkpoints.checkpoint import needs_reshard
 
     dp, tp, pp, prompts, zero = saved
     state = {"dp_size": dp, "prompts_per_step": prompts, "layout": {"tp": tp, "pp": pp, "zero_stage": zero}}
@@ -185,7 +185,7 @@ def test_which_layout_changes_re_shard(saved, now, refusal):
 def test_pruning_takes_a_checkpoints_universal_form_with_it(tmp_path):
     """keep_last counts complete checkpoints up to the one `latest` names; a pruned one's
     `<tag>.universal` (made when a run re-sharded it) is removed too, the kept ones' stay."""
-    from megagrpo.checkpoint import MARKER, _prune
+    from megagrpo.checkpoints.checkpoint import MARKER, _prune
 
     for step in (1, 2, 3):
         for folder in (f"step_{step:08d}", f"step_{step:08d}.universal"):

@@ -8,7 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from megagrpo import safetensors_writer
-from megagrpo.safetensors_writer import write_safetensors
+from megagrpo.checkpoints.safetensors_writer import write_safetensors
 
 
 def sample_tensors():

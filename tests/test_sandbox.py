@@ -14,8 +14,8 @@ import warnings
 
 import pytest
 
-from megagrpo.rewards_code import CodeReward, extract_code
-from megagrpo.sandbox import SANDBOX_UID_BASE, Sandbox, SandboxLimits, SandboxUnavailable
+from megagrpo.rewards.code import CodeReward, extract_code
+from megagrpo.rewards.sandbox import SANDBOX_UID_BASE, Sandbox, SandboxLimits, SandboxUnavailable
 
 TIMEOUT_S = 1.5
 LIMITS = dict(timeout_s=TIMEOUT_S, cpu_s=2, memory_mb=256, file_size_mb=8, processes=16,

@@ -9,11 +9,11 @@ import sys
 
 import torch
 
-from megagrpo.batch import make_batch
-from megagrpo.logprobs import completion_logprobs
+from megagrpo.rollout.batch import make_batch
+from megagrpo.engines.logprobs import completion_logprobs
 from megagrpo.config import load_config
-from megagrpo.rollout import Completion
-from megagrpo.distributed import init_distributed
+from megagrpo.rollout.engines import Completion
+from megagrpo.cluster.distributed import init_distributed
 from megagrpo.train import Trainer, parse_args
 
 
@@ -33,7 +33,7 @@ def main():
         with torch.no_grad():
             return completion_logprobs(trainer.policy, batch, 1.0)[0][0].tolist()
 
-    from megagrpo.weight_sync import sync_weights
+    from megagrpo.rollout.weight_sync import sync_weights
     sync_weights(trainer.policy.module, trainer.rollout)
     result = {"engine_before": trainer.rollout.score(prompt + completion, len(prompt)),
               "trainer_before": trainer_logprobs()}

@@ -9,8 +9,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from megagrpo.fused_logprobs import fused_token_logprobs, naive_token_logprobs
-from megagrpo.distributed import release_shm_allreduce_name
+from megagrpo.engines.fused_logprobs import fused_token_logprobs, naive_token_logprobs
+from megagrpo.cluster.distributed import release_shm_allreduce_name
 
 
 def main():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import threading
 
-from .rewards import Scores, length_penalty
+from megagrpo.rewards import Scores, length_penalty
 
 _WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
 

@@ -34,7 +34,8 @@ class RewardModel:
         dtype = torch.float32
         ds_config, stage = None, 0
         if config is not None:
-            from .model import DTYPES, deepspeed_config, zero_stage
+            from megagrpo.dtypes import DTYPES
+            from megagrpo.engines.models import deepspeed_config, zero_stage
             dtype = DTYPES[config.model.dtype]
             ds_config = deepspeed_config(config)
             stage = zero_stage(ds_config)
@@ -84,7 +85,7 @@ class RewardModel:
         batches = [texts[i:i + self.batch_size] for i in range(0, len(texts), self.batch_size)]
         count = len(batches)
         if self.collective:  # every rank must run as many (collective) forwards
-            from .metrics import all_reduce
+            from megagrpo.metrics import all_reduce
             count = int(all_reduce(torch.tensor([len(batches)]), "max")[0])
         scores = []
         for b in range(count):

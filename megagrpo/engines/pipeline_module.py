@@ -27,8 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from .fused_logprobs import fused_token_logprobs, logprobs_from_logits
-from .packing import pack
+from megagrpo.engines.fused_logprobs import fused_token_logprobs, logprobs_from_logits
+from megagrpo.dtypes import DTYPES
+from megagrpo.engines.packing import pack
 
 class SafetensorsSource:
     """Reads single tensors by HF name from a model folder's safetensors files (cast to dtype,
@@ -217,7 +218,6 @@ def layer_specs(parts: ModelParts, temperature: float, chunk_size: int, fused: b
 def build_pipeline_module(cfg, attn_implementation: str, stages: int, loss_fn) -> DecoderPipeline:
     """This rank's stage of the policy (or reference) model, its weights read from the model
     folder's safetensors."""
-    from .model import DTYPES
     parts = ModelParts(cfg.model.name_or_path, DTYPES[cfg.model.dtype], attn_implementation)
     specs = layer_specs(parts, cfg.rollout.temperature, cfg.grpo.logprob_chunk_size, cfg.grpo.fused_logprobs)
     module = DecoderPipeline(layers=specs, num_stages=stages, loss_fn=loss_fn,
@@ -292,7 +292,7 @@ class PipelineLoss:
         self.mode, self.normalisers, self.stats, self.micro_batches = "loss", normalisers, stats, micro_batches
 
     def __call__(self, outputs, labels):
-        from .loss import LossInputs, micro_batch_loss
+        from megagrpo.algorithm.loss import LossInputs, micro_batch_loss
         if self.mode == "logprobs":  # DeepSpeed sums what this returns: keep the outputs here
             self.collected.append(outputs[:, 0].detach())
             return outputs.new_zeros(())

@@ -16,11 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
-from .config import Config
-from .logprobs import install_logprob_head
-from .pipeline import build_pipeline_module, clip_pipeline_gradients
+from megagrpo.config import Config
+from megagrpo.dtypes import DTYPES
+from megagrpo.engines.logprobs import install_logprob_head
+from megagrpo.engines.pipeline_module import build_pipeline_module, clip_pipeline_gradients
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_tokenizer(path: str):

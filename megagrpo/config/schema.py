@@ -446,7 +446,7 @@ def validate(cfg: Config, training: bool = True) -> None:
     _require(len(cfg.rewards.functions) > 0 or not training,
              "rewards.functions is empty: add at least one, e.g. "
              "[{name: answer_match, weight: 1.0}]")
-    from .rewards import RewardError, resolve
+    from megagrpo.rewards import RewardError, resolve
     for i, fn in enumerate(cfg.rewards.functions):
         _require(bool(fn.name), f"rewards.functions[{i}].name is empty")
         try:

@@ -82,12 +82,12 @@ BUILTINS: dict[str, Callable] = {
 
 # The reward suite: built-ins that live in their own modules (imported when used).
 SUITE: dict[str, str] = {
-    "customer_service": "megagrpo.rewards_text:customer_service",
-    "math_accuracy": "megagrpo.rewards_text:math_accuracy",
-    "think_answer_format": "megagrpo.rewards_text:think_answer_format",
-    "overlong_penalty": "megagrpo.rewards_text:overlong_penalty",
-    "code": "megagrpo.rewards_code:CodeReward",
-    "reward_model": "megagrpo.reward_model:RewardModel",
+    "customer_service": "megagrpo.rewards.text:customer_service",
+    "math_accuracy": "megagrpo.rewards.text:math_accuracy",
+    "think_answer_format": "megagrpo.rewards.text:think_answer_format",
+    "overlong_penalty": "megagrpo.rewards.text:overlong_penalty",
+    "code": "megagrpo.rewards.code:CodeReward",
+    "reward_model": "megagrpo.rewards.reward_model:RewardModel",
 }
 
 
@@ -182,7 +182,7 @@ def compute_rewards(functions: list[RewardFunction], prompts: list, completions:
 def component_metrics(details: dict, group=None) -> dict:
     """`rewards/<fn>/<component>` means over the ranks of `group` (every rank runs the same
     functions, so every rank has the same component names)."""
-    from .metrics import all_reduce
+    from megagrpo.metrics import all_reduce
 
     components = details.get("components", {})
     if not components:

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .topology import Topology
+from megagrpo.cluster.topology import Topology
 
 SHM_OP = "deepspeed_shm_comm"   # the op DeepSpeed builds in TorchBackend.__init__ on CPU
 STALE_LOCK_S = 600               # its build takes about a minute on 2 cores

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import Config, deepspeed_zero_stage
+from megagrpo.config import Config, deepspeed_zero_stage
 
 BYTES = {"float32": (4, 4, 12), "bfloat16": (2, 2, 12)}
 
@@ -63,7 +63,7 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     total, sharded = count_parameters(cfg.model.name_or_path)
     local = sharded // tp + (total - sharded)  # one rank's share before ZeRO
     if pp > 1:  # the largest stage (DeepSpeed's partition by parameters)
-        from .pipeline import ModelParts
+        from megagrpo.engines.pipeline_module import ModelParts
         local = max(ModelParts(cfg.model.name_or_path, torch.float32, "sdpa").stage_parameters(pp))
     weight_b, grad_b, optim_b = BYTES[cfg.model.dtype]
     per_rank = {

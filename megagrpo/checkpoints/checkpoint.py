@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .safetensors_writer import write_safetensors
-from .weight_sync import named_full_tensors
+from megagrpo.checkpoints.safetensors_writer import write_safetensors
+from megagrpo.rollout.weight_sync import named_full_tensors
 
 MARKER = "COMPLETE"
 CRASH_POINTS = ("engine_saved", "marked", "renamed", "latest_written")

@@ -8,9 +8,9 @@ from typing import Optional
 
 import torch
 
-from . import grpo
-from .config import GRPOConfig
-from .metrics import StepStats
+from megagrpo.algorithm import grpo
+from megagrpo.config import GRPOConfig
+from megagrpo.metrics import StepStats
 
 
 @dataclass

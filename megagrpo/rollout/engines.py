@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-from .config import Config
+from megagrpo.config import Config
 
 
 @dataclass
@@ -114,7 +114,8 @@ class HFEngine:
     def __init__(self, cfg: Config, model_path: str, seed: int):
         from transformers import AutoModelForCausalLM
 
-        from .model import DTYPES, load_tokenizer
+        from megagrpo.dtypes import DTYPES
+        from megagrpo.engines.models import load_tokenizer
 
         self.cfg = cfg.rollout
         device = f"cuda:{torch.cuda.current_device()}" if _on_gpu() else "cpu"

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .rollout import Completion
+from megagrpo.rollout.engines import Completion
 
 
 _FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")

@@ -17,8 +17,8 @@ import json
 import re
 import secrets
 
-from .rewards import Scores
-from .sandbox import STATUSES, Sandbox, SandboxLimits, SandboxPool
+from megagrpo.rewards import Scores
+from megagrpo.rewards.sandbox import STATUSES, Sandbox, SandboxLimits, SandboxPool
 
 _FENCE_PYTHON = r"```(?:python|py|python3)[^\n]*\n(.*?)```"
 _FENCE_ANY = r"```[^\n]*\n(.*?)```"

@@ -39,10 +39,10 @@ from typing import Iterator
 
 import torch
 
-from .checkpoint import MARKER
-from .safetensors_writer import write_safetensors
+from megagrpo.checkpoints.checkpoint import MARKER
+from megagrpo.dtypes import DTYPES
+from megagrpo.checkpoints.safetensors_writer import write_safetensors
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
                  "tokenizer.model", "added_tokens.json")
@@ -210,7 +210,7 @@ def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: i
 
 
 def hf_to_pipeline(model: str, out: str, stages: int, dtype: str = None, log=print) -> None:
-    from .pipeline import ModelParts
+    from megagrpo.engines.pipeline_module import ModelParts
 
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ConvertError(f"{model}: not an HF model folder (no config.json)")

@@ -1,0 +1,1 @@
+"""Checkpoints: atomic save and resume, offline conversion, the streaming safetensors writer."""

@@ -1,0 +1,1 @@
+"""The cluster: process topology and groups, process-group start, hostfiles, the memory planner."""
