@@ -44,8 +44,8 @@ def save_and_load(model_dir, ckpt_root):
     """Runs in a child: build the engine, save, load; print JSON."""
     import torch
 
-    from megagrpo import checkpoint
-    from megagrpo.config import load_config
+    from megagrpo.checkpoints import checkpoint
+    from megagrpo.config.loading import load_config
     from megagrpo.engines.models import build_policy, deepspeed_config
     from megagrpo.cluster.distributed import init_distributed
 

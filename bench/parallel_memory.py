@@ -48,7 +48,7 @@ def live_tensor_bytes() -> int:
 
 
 def _config(model, data, tp, pp, stage):
-    from megagrpo.config import load_config
+    from megagrpo.config.loading import load_config
     return load_config(os.path.join(ROOT, "configs/tiny_arith.yaml"), [
         f"model.name_or_path={model}", f"data.train_file={data}", "data.eval_file=null",
         "grpo.kl_coef=0", f"parallel.tensor_parallel_size={tp}",
@@ -62,7 +62,7 @@ def probe(model, out_dir, tp, pp, stage):
     from megagrpo.engines.logprobs import completion_logprobs
     from megagrpo.engines.models import build_policy, deepspeed_config
     from megagrpo.engines.pipeline_module import PipelineLoss, micro_batch_item
-    from megagrpo.rollout.engines import Completion
+    from megagrpo.rollout.batch import Completion
     from megagrpo.cluster.distributed import init_distributed
 
     topology = init_distributed(tp_size=tp, pp_size=pp)

@@ -5,6 +5,7 @@
     megagrpo plan --config X.yaml --world-size N ...    (layout and memory per rank)
     megagrpo eval --model PATH --data FILE [--config X.yaml] [key.sub=value ...]
     megagrpo convert inspect CKPT | to-hf CKPT OUT [--model HF_DIR] [--dtype D]
+    megagrpo config --markdown                          (the configuration reference page)
 """
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ commands:
   plan       print the layout (dp/tp/pp per rank) and the model-state bytes per rank
   eval       evaluate a model on a held-out file (rewards, pass@k, BLEU, ROUGE, perplexity)
   convert    inspect a checkpoint, or export it as an HF folder (see `megagrpo convert --help`)
+  config     print the configuration reference (docs/configuration.md) with --markdown
 """
 
 
 def validate(argv) -> int:
-    from megagrpo.config import ConfigError, load_config, to_dict
+    from megagrpo.config.loading import load_config, to_dict
+    from megagrpo.config.schema import ConfigError
 
     p = argparse.ArgumentParser(prog="megagrpo validate",
                                 description="Check a config (and overrides); print the result.")
@@ -43,8 +46,9 @@ def validate(argv) -> int:
 def plan(argv) -> int:
     import os
 
-    from megagrpo.config import ConfigError, load_config
     from megagrpo.cluster.plan import format_plan, make_plan
+    from megagrpo.config.loading import load_config
+    from megagrpo.config.schema import ConfigError
 
     p = argparse.ArgumentParser(prog="megagrpo plan",
                                 description="Print the layout and the memory each rank will hold.")
@@ -77,6 +81,17 @@ def plan(argv) -> int:
     return 0
 
 
+def config_reference(argv) -> int:
+    p = argparse.ArgumentParser(prog="megagrpo config",
+                                description="Print the configuration reference generated from the schema.")
+    p.add_argument("--markdown", action="store_true", required=True,
+                   help="as Markdown (docs/configuration.md is this output)")
+    p.parse_args(argv)
+    from megagrpo.config.docs import markdown
+    print(markdown(), end="")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -90,6 +105,8 @@ def main(argv=None) -> int:
         return validate(rest)
     if command == "plan":
         return plan(rest)
+    if command == "config":
+        return config_reference(rest)
     if command == "eval":
         from megagrpo.evaluation import main as eval_main
         return eval_main(rest)

@@ -27,7 +27,7 @@ import sys
 import torch
 
 from megagrpo.rewards import compute_rewards
-
+from megagrpo.rollout.engines import EVAL_STEP, sampling_seed
 
 # ---- metrics (pure functions of texts and counts) ----------------------------------------------
 
@@ -96,7 +96,7 @@ def score_prompts(prompts, indices: list[int], generate, score, tokenizer, rewar
     texts, lengths = [], []
     if prompts:
         groups = generate([p.token_ids for p in prompts], n=n,
-                          seeds=[seed * 1_000_003 + i for i in indices], greedy=n == 1)
+                          seeds=[sampling_seed(seed, EVAL_STEP, i) for i in indices], greedy=n == 1)
         for group in groups:
             texts.append(tokenizer.batch_decode([c.token_ids for c in group], skip_special_tokens=True))
             lengths.append([len(c.token_ids) for c in group])
@@ -172,6 +172,27 @@ def write_samples(path: str, records: list[dict]) -> None:
             f.write(json.dumps(r, default=str) + "\n")
 
 
+def record_evaluation(output_dir: str, step: int, records: list[dict], metrics: dict) -> None:
+    """A training run's evaluation at `step`: every completion to eval_samples/step_N.jsonl,
+    the metrics appended to eval_history.jsonl."""
+    write_samples(os.path.join(output_dir, "eval_samples", f"step_{step:08d}.jsonl"), records)
+    with open(os.path.join(output_dir, "eval_history.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+def write_results(output_dir: str, results: dict) -> None:
+    """Merge {"before": ..., "after": ...} into output_dir/eval_results.json (a resumed run
+    keeps the first run's "before")."""
+    path = os.path.join(output_dir, "eval_results.json")
+    previous = json.load(open(path)) if os.path.isfile(path) else {}
+    with open(path, "w") as f:
+        json.dump({**previous, **results}, f, indent=1)
+
+
+def format_metrics(results: dict) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in results.items())
+
+
 # ---- `megagrpo eval` ----------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -188,13 +209,14 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="key.sub=value settings (e.g. rollout.engine=hf)")
     args = p.parse_args(argv)
 
-    from megagrpo.config import ConfigError, load_config
+    from megagrpo.cluster.distributed import init_distributed
+    from megagrpo.config.loading import load_config
+    from megagrpo.config.schema import ConfigError
     from megagrpo.data import DataError, load_prompts
-    from megagrpo.metrics import MetricsLogger
     from megagrpo.engines.models import load_tokenizer
+    from megagrpo.metrics import MetricsLogger
     from megagrpo.rewards import RewardError, build_reward_functions, close_reward_functions
     from megagrpo.rollout.engines import build_rollout_engine
-    from megagrpo.cluster.distributed import init_distributed
 
     overrides = list(args.overrides) + [f"model.name_or_path={args.model}",
                                         f"data.eval_file={args.data}", f"data.train_file={args.data}"]

@@ -1,10 +1,11 @@
-"""Metrics: TensorBoard scalars and sample text on the main rank, cross-rank reductions, progress."""
+"""Metrics: TensorBoard scalars and sample text on the main rank, and the progress bar."""
 from __future__ import annotations
 
 import os
 
 import torch
-import torch.distributed as dist
+
+from megagrpo.cluster.distributed import all_gather_1d
 
 
 class MetricsLogger:
@@ -32,75 +33,33 @@ class MetricsLogger:
             self.writer.close()
 
 
-def _comm_device() -> torch.device:
-    """NCCL serves only CUDA tensors; gloo serves CPU ones."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def rollout_metrics(rewards: torch.Tensor, per_function: torch.Tensor, advantages: torch.Tensor,
+                    batch, reward_names: list[str], num_generations: int, dp_group=None) -> dict:
+    """Rewards (total and per function), advantages and completion lengths of the step over
+    every dp rank. `rewards` is already global; the per-completion columns are gathered."""
+    grouped = rewards.view(-1, num_generations)
+    out = {"reward": rewards.mean(), "reward_std": rewards.std(),
+           "reward_min": rewards.min(), "reward_max": rewards.max(),
+           "frac_reward_zero_std": (grouped.std(dim=1) < 1e-6).float().mean()}
+    # one gather for every per-completion statistic: (N, functions + 4) on each dp rank
+    columns = [advantages, batch.completion_lens, batch.truncated, batch.prompt_lens + batch.completion_lens]
+    per_completion = torch.cat([per_function] + [c.cpu().float()[:, None] for c in columns], dim=1)
+    gathered = all_gather_1d(per_completion.reshape(-1), dp_group).view(-1, per_completion.shape[1])
+    *function_columns, global_adv, lengths, truncated, tokens = gathered.unbind(dim=1)
+    for name, values in zip(reward_names, function_columns):
+        out[f"rewards/{name}/mean"] = values.mean()
+        out[f"rewards/{name}/std"] = values.std()
+    out["advantages/mean"], out["advantages/std"] = global_adv.mean(), global_adv.std()
+    out.update({"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+                "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.mean(),
+                "tokens": tokens.sum()})
+    return out
 
 
-def all_gather_1d(values: torch.Tensor, group=None) -> torch.Tensor:
-    """Concatenate equal-length 1-D tensors from every rank of `group` (default: all), in rank
-    order; returns on CPU."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return values.cpu()
-    local = values.contiguous().to(_comm_device())
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local, group=group)
-    return torch.cat(parts).cpu()
-
-
-def all_reduce(values: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
-    """Element-wise sum/max/min over the ranks of `group` (default: all); returns on CPU."""
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        values = values.to(_comm_device(), copy=True)
-        dist.all_reduce(values, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                                    "min": dist.ReduceOp.MIN}[op], group=group)
-    return values.cpu()
-
-
-class StepStats:
-    """Accumulates masked per-token sums and extrema over micro-batches; reduces across ranks."""
-
-    def __init__(self):
-        self.sums, self.maxes, self.mins = {}, {}, {}
-        self.loss = 0.0
-
-    def declare(self, means: list[str], extrema: list[str]) -> None:
-        """Create these statistics empty (every rank then reduces the same names)."""
-        for name in means:
-            self.sums.setdefault(name, (0.0, 0.0))
-        for name in extrema:
-            self.maxes.setdefault(name, -float("inf"))
-            self.mins.setdefault(name, float("inf"))
-
-    def add_loss(self, share: float) -> None:
-        """A micro-batch's share of the step loss (shares of one pass sum to its loss)."""
-        self.loss += share
-
-    def add_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
-        total, count = self.sums.get(name, (0.0, 0.0))
-        self.sums[name] = (total + float((values * mask).sum()), count + float(mask.sum()))
-
-    def add_extrema(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
-        self.maxes.setdefault(name, -float("inf"))
-        self.mins.setdefault(name, float("inf"))
-        if mask.sum() == 0:
-            return
-        sel = values[mask.bool()]
-        self.maxes[name] = max(self.maxes.get(name, -float("inf")), float(sel.max()))
-        self.mins[name] = min(self.mins.get(name, float("inf")), float(sel.min()))
-
-    def reduce(self) -> dict:
-        out = {}
-        names = sorted(self.sums)
-        if names:
-            sums = all_reduce(torch.tensor([self.sums[n] for n in names], dtype=torch.float64))
-            out.update({n: float(s / max(c, 1.0)) for n, (s, c) in zip(names, sums.tolist())})
-        for table, op, suffix in ((self.maxes, "max", "max"), (self.mins, "min", "min")):
-            keys = sorted(table)
-            if keys:
-                vals = all_reduce(torch.tensor([table[k] for k in keys], dtype=torch.float64), op)
-                out.update({f"{k}/{suffix}": v for k, v in zip(keys, vals.tolist())})
-        return out
+def samples_markdown(prompt, texts: list[str], rewards: list[float]) -> str:
+    """A prompt and its completions with their rewards, as a TensorBoard text table."""
+    rows = "\n".join(f"| {r:.3f} | {t[:300]!r} |".replace("\n", " ") for t, r in zip(texts, rewards))
+    return f"**prompt:** {str(prompt)[:300]!r}\n\n| reward | completion |\n|---|---|\n{rows}"
 
 
 def progress_bar(total: int, initial: int, enabled: bool):

@@ -9,8 +9,54 @@ from typing import Optional
 import torch
 
 from megagrpo.algorithm import grpo
-from megagrpo.config import GRPOConfig
-from megagrpo.metrics import StepStats
+from megagrpo.cluster.distributed import all_reduce
+from megagrpo.config.schema import GRPOConfig
+
+
+class StepStats:
+    """Accumulates masked per-token sums and extrema over micro-batches; reduces across ranks."""
+
+    def __init__(self):
+        self.sums, self.maxes, self.mins = {}, {}, {}
+        self.loss = 0.0
+
+    def declare(self, means: list[str], extrema: list[str]) -> None:
+        """Create these statistics empty (every rank then reduces the same names)."""
+        for name in means:
+            self.sums.setdefault(name, (0.0, 0.0))
+        for name in extrema:
+            self.maxes.setdefault(name, -float("inf"))
+            self.mins.setdefault(name, float("inf"))
+
+    def add_loss(self, share: float) -> None:
+        """A micro-batch's share of the step loss (shares of one pass sum to its loss)."""
+        self.loss += share
+
+    def add_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        total, count = self.sums.get(name, (0.0, 0.0))
+        self.sums[name] = (total + float((values * mask).sum()), count + float(mask.sum()))
+
+    def add_extrema(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        self.maxes.setdefault(name, -float("inf"))
+        self.mins.setdefault(name, float("inf"))
+        if mask.sum() == 0:
+            return
+        sel = values[mask.bool()]
+        self.maxes[name] = max(self.maxes.get(name, -float("inf")), float(sel.max()))
+        self.mins[name] = min(self.mins.get(name, float("inf")), float(sel.min()))
+
+    def reduce(self) -> dict:
+        out = {}
+        names = sorted(self.sums)
+        if names:
+            sums = all_reduce(torch.tensor([self.sums[n] for n in names], dtype=torch.float64))
+            out.update({n: float(s / max(c, 1.0)) for n, (s, c) in zip(names, sums.tolist())})
+        for table, op, suffix in ((self.maxes, "max", "max"), (self.mins, "min", "min")):
+            keys = sorted(table)
+            if keys:
+                vals = all_reduce(torch.tensor([table[k] for k in keys], dtype=torch.float64), op)
+                out.update({f"{k}/{suffix}": v for k, v in zip(keys, vals.tolist())})
+        return out
 
 
 @dataclass

@@ -11,21 +11,43 @@ also exported as an HF folder (sharded safetensors + index, config, tokenizer).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 import shutil
 import signal
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megagrpo.checkpoints.safetensors_writer import write_safetensors
-from megagrpo.rollout.weight_sync import named_full_tensors
+from megagrpo.cluster.distributed import all_reduce
+from megagrpo.cluster.topology import Topology
+from megagrpo.config.schema import ConfigError
 
 MARKER = "COMPLETE"
 CRASH_POINTS = ("engine_saved", "marked", "renamed", "latest_written")
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint holds besides DeepSpeed's engine state (trainer_state.json)."""
+    step: int
+    sampler: dict                  # PromptSampler.state_dict()
+    world_size: int
+    dp_size: int
+    num_prompts: int
+    total_steps: int
+    prompts_per_step: int
+    model: str                     # the model folder (absolute) or hub name
+    layout: dict = field(default_factory=dict)   # tp, pp, zero_stage, dtype
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def _crash_point(name: str, step: int) -> None:
@@ -112,9 +134,9 @@ def resume_candidates(root: str, log=print) -> list[str]:
 
 
 
-def save(engine, root: str, step: int, trainer_state: dict, keep_last: int, is_main: bool,
-         rank: int) -> str:
+def save(engine, root: str, state: TrainerState, keep_last: int, is_main: bool, rank: int) -> str:
     """Collective: every rank calls it. Returns the checkpoint folder."""
+    step = state.step
     tag = f"step_{step:08d}"
     tmp = f"{tag}.tmp"
     if is_main:
@@ -128,7 +150,7 @@ def save(engine, root: str, step: int, trainer_state: dict, keep_last: int, is_m
     if is_main:
         _crash_point("engine_saved", step)
         with open(os.path.join(root, tmp, "trainer_state.json"), "w") as f:
-            json.dump(trainer_state, f, indent=1)
+            json.dump(state.to_dict(), f, indent=1)
         with open(os.path.join(root, tmp, MARKER), "w") as f:
             f.write(tag)
         _fsync_tree(os.path.join(root, tmp))
@@ -238,12 +260,59 @@ def load(engine, path: str, rank: int, reshard: bool = False, is_main: bool = Fa
     return read_trainer_state(path)
 
 
-def export_hf(module, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 2048,
-              bucket_mb: int = 256, tensors=None) -> None:
-    """Collective: write an HF folder that AutoModelForCausalLM and vLLM load unchanged.
-    Tensors (`tensors`, by default named_full_tensors(module)) stream bucket by bucket into
-    safetensors shards on the main rank."""
-    tensors = tensors if tensors is not None else named_full_tensors(module, bucket_mb)
+def resume(engine, root: str, setting: str, topo: Topology, num_prompts: int, prompts_per_step: int,
+           zero: int, log: Callable[[str], None]) -> Optional[dict]:
+    """Collective: load the checkpoint that `setting` (checkpoint.resume: auto, none or a path)
+    names into `engine`; returns its trainer state, or None to start fresh. Under auto, a
+    checkpoint that fails to load is reported and the previous complete one tried."""
+    if setting == "none":
+        if complete_checkpoints(root):
+            raise ConfigError(f"checkpoint.resume=none but {root} holds checkpoints of an earlier run; "
+                              "resume it (checkpoint.resume=auto), use another output_dir, or delete that folder")
+        return None
+    candidates = resume_candidates(root, log) if setting == "auto" else [setting]
+    for path in candidates:
+        reshard = _check_resumable(path, topo, num_prompts, prompts_per_step, zero)
+        try:
+            state, error = load(engine, path, topo.rank, reshard, topo.is_main), None
+        except Exception as e:  # noqa: BLE001 - whatever DeepSpeed or torch.load raise
+            state, error = None, e
+        if not all_reduce(torch.tensor([0 if error is None else 1]), "max")[0]:
+            note = ""
+            if reshard:
+                note = (f" (re-sharded from dp {state['dp_size']} x tp {state['layout'].get('tp', 1)} "
+                        f"to dp {topo.dp_size} x tp {topo.tp_size})")
+            log(f"resumed from {path} at step {state['step']}{note}")
+            return state
+        if setting != "auto":
+            raise ConfigError(f"checkpoint.resume: '{path}' could not be loaded: {error}")
+        log(f"checkpoint '{path}' could not be loaded ({error or 'on another rank'}); "
+            "trying the previous complete one")
+    if candidates:
+        raise ConfigError(f"no checkpoint under {root} could be loaded; move the folder away to start over")
+    return None
+
+
+def _check_resumable(path: str, topo: Topology, num_prompts: int, prompts_per_step: int, zero: int) -> bool:
+    """Refuse a checkpoint this run cannot continue (before loading anything); returns
+    whether it needs re-sharding (saved with another number of data- or tensor-parallel ranks)."""
+    try:
+        state = read_trainer_state(path)
+    except (OSError, ValueError):
+        return False  # unreadable: the load reports it and the previous one is tried
+    if state.get("num_prompts", num_prompts) != num_prompts:
+        raise ConfigError(f"checkpoint '{path}' was saved with {state['num_prompts']} training prompts, this "
+                          f"run has {num_prompts}; the prompt order would not continue. Resume with the same data")
+    try:
+        return needs_reshard(state, topo.dp_size, topo.tp_size, topo.pp_size, prompts_per_step, zero)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint '{path}' {e}") from None
+
+
+def export_hf(module, tensors, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 2048) -> None:
+    """Collective: write an HF folder that AutoModelForCausalLM and vLLM load unchanged: the
+    whole-tensor stream `tensors` (every rank iterates it) goes into safetensors shards on
+    the main rank, with `module`'s config and the tokenizer."""
     write_safetensors(tensors, out_dir, shard_mb, write=is_main)
     if is_main:
         use_cache = module.config.use_cache

@@ -40,8 +40,8 @@ from typing import Iterator
 import torch
 
 from megagrpo.checkpoints.checkpoint import MARKER
-from megagrpo.dtypes import DTYPES
 from megagrpo.checkpoints.safetensors_writer import write_safetensors
+from megagrpo.dtypes import DTYPES
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",

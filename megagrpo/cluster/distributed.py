@@ -1,4 +1,5 @@
-"""Starting the job's process group, and two DeepSpeed-on-CPU hazards handled on the way.
+"""Starting the job's process group (and two DeepSpeed-on-CPU hazards handled on the way), and
+the small collectives the trainer uses (all_reduce, all_gather_1d).
 
 - DeepSpeed JIT-compiles its CPU shared-memory all-reduce op when the process group starts, and
   every process that loads it, even when nothing needs rebuilding, takes a lock file in the
@@ -19,6 +20,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from megagrpo.cluster.topology import Topology
 
@@ -51,7 +53,7 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
     deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes),
                                distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     release_shm_allreduce_name()
-    topology = Topology.from_env(tp_size, pp_size)
+    topology = Topology.from_env(tp_size, pp_size).with_groups()
     if torch.cuda.is_available():
         torch.cuda.set_device(topology.local_rank)
     return topology
@@ -129,3 +131,28 @@ def release_shm_allreduce_name() -> None:
     name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"
     if os.path.exists(name):
         os.unlink(name)
+
+
+def _comm_device() -> torch.device:
+    """NCCL serves only CUDA tensors; gloo serves CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def all_gather_1d(values: torch.Tensor, group=None) -> torch.Tensor:
+    """Concatenate equal-length 1-D tensors from every rank of `group` (default: all), in rank
+    order; returns on CPU."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return values.cpu()
+    local = values.contiguous().to(_comm_device())
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts).cpu()
+
+
+def all_reduce(values: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """Element-wise sum/max/min over the ranks of `group` (default: all); returns on CPU."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        values = values.to(_comm_device(), copy=True)
+        dist.all_reduce(values, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                                    "min": dist.ReduceOp.MIN}[op], group=group)
+    return values.cpu()

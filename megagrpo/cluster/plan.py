@@ -10,20 +10,25 @@ the LM head are replicated. A pipeline holds one stage per rank, partitioned by 
 DeepSpeed does it (the largest stage is reported; a tied head keeps a copy of the embedding on
 the last stage). Bytes per parameter as DeepSpeed's ZeRO optimizers hold them:
 4 (weights) + 4 (gradients) + 12 (a float32 master copy and the two Adam moments) in float32
-training, which bench/parallel_memory.py measures within 1% per rank; 2 + 2 + 12 in bfloat16. ZeRO stage 1 splits the optimizer state over the dp
-ranks, stage 2 the gradients too, stage 3 the weights too. Gradients are counted as held
-during the backward: between steps ZeRO 1 and 2 free them, so the model state measured at rest
-there is lower by the gradient bytes (bench/parallel_memory.py shows both stages). The frozen reference model (when
-kl_coef > 0) holds weights only; the vLLM engine holds one whole copy of the weights plus its
+training, which bench/parallel_memory.py measures within 1% per rank; 2 + 2 + 12 in bfloat16.
+ZeRO stage 1 splits the optimizer state over the dp ranks, stage 2 the gradients too, stage 3
+the weights too. Gradients are counted as held during the backward: between steps ZeRO 1 and 2
+free them, so the model state measured at rest there is lower by the gradient bytes
+(bench/parallel_memory.py shows both stages). The frozen reference model (when kl_coef > 0)
+holds weights only; the vLLM engine holds one whole copy of the weights plus its
 KV cache.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import torch
 
-from megagrpo.config import Config, deepspeed_zero_stage
+from megagrpo.cluster.topology import Topology
+from megagrpo.config.deepspeed_json import zero_stage
+from megagrpo.config.schema import Config, require
 
 BYTES = {"float32": (4, 4, 12), "bfloat16": (2, 2, 12)}
 
@@ -59,7 +64,7 @@ def count_parameters(model_path: str) -> tuple[int, int]:
 def make_plan(cfg: Config, world_size: int) -> Plan:
     tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
     dp = world_size // (tp * pp)
-    stage = deepspeed_zero_stage(cfg)
+    stage = zero_stage(cfg.deepspeed)
     total, sharded = count_parameters(cfg.model.name_or_path)
     local = sharded // tp + (total - sharded)  # one rank's share before ZeRO
     if pp > 1:  # the largest stage (DeepSpeed's partition by parameters)
@@ -73,11 +78,55 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
         "reference": (local * weight_b // (dp if stage >= 3 else 1)) if cfg.grpo.kl_coef > 0 else 0,
         "rollout_weights": total * weight_b,
     }
-    if pp > 1:  # DeepSpeed's (pipe, data) topology: the stage is the slowest coordinate
-        ranks = [(r, r % dp, 0, r // dp) for r in range(world_size)]
-    else:
-        ranks = [(r, r // tp, r % tp, 0) for r in range(world_size)]
+    layout = Topology(world_size, 0, 0, tp, pp)
+    ranks = [(r, place.dp_rank, place.tp_rank, place.pp_rank) for r in range(world_size)
+             for place in [layout.at(r)]]
     return Plan(world_size, dp, tp, pp, stage, total, sharded, per_rank, ranks)
+
+
+PIPELINE_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+def check_layout(cfg: Config) -> None:
+    """Layouts DeepSpeed or the model cannot run are refused here, before anything is built."""
+    tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    require(tp >= 1, f"parallel.tensor_parallel_size: {tp} must be >= 1")
+    require(pp >= 1, f"parallel.pipeline_parallel_size: {pp} must be >= 1")
+    if pp > 1:
+        stage = zero_stage(cfg.deepspeed)
+        require(stage <= 1, f"parallel.pipeline_parallel_size={pp} with ZeRO stage {stage}: DeepSpeed "
+                 "runs pipelines with ZeRO stage 0 or 1 only; use configs/ds_zero0.json or a "
+                 "stage-1 config, or pipeline_parallel_size=1")
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None:
+        require(int(world) % (tp * pp) == 0,
+                 f"world size {world} is not divisible by tensor_parallel_size x "
+                 f"pipeline_parallel_size = {tp} x {pp}; launch a multiple of {tp * pp} ranks")
+    model_config = os.path.join(cfg.model.name_or_path, "config.json")
+    if (tp > 1 or pp > 1) and os.path.isfile(model_config):
+        with open(model_config) as f:
+            model = json.load(f)
+        heads = model.get("num_attention_heads")
+        kv_heads = model.get("num_key_value_heads", heads)
+        for name, count in (("attention heads", heads), ("key-value heads", kv_heads)):
+            require(count is None or count % tp == 0,
+                     f"parallel.tensor_parallel_size={tp} does not divide the model's {count} "
+                     f"{name}; use a divisor of {count}")
+        require(pp == 1 or model.get("model_type") in PIPELINE_ARCHITECTURES,
+                 f"parallel.pipeline_parallel_size={pp}: no pipeline layer map for model_type "
+                 f"'{model.get('model_type')}' (supported: {', '.join(PIPELINE_ARCHITECTURES)})")
+        layers = model.get("num_hidden_layers", pp)
+        require(layers >= pp, f"parallel.pipeline_parallel_size={pp} exceeds the model's "
+                 f"{layers} layers")
+    if pp > 1:
+        require(tp == 1, f"parallel.pipeline_parallel_size={pp} with tensor_parallel_size={tp}: "
+                 "tensor and pipeline parallelism together are not in this version; use one of them "
+                 "(with data parallelism)")
+        require(cfg.grpo.packing, f"parallel.pipeline_parallel_size={pp} needs grpo.packing=true "
+                 "(the stages pass packed rows, not padded ones)")
+        require(not cfg.model.gradient_checkpointing, f"parallel.pipeline_parallel_size={pp} with "
+                 "model.gradient_checkpointing=true is not in this version: a stage holds only its "
+                 "own layers' activations; set model.gradient_checkpointing=false")
 
 
 def _gib(n: int) -> str:

@@ -1,4 +1,5 @@
-"""The process topology: world = dp x tp x pp. Everything else asks this object.
+"""The process topology: world = dp x tp x pp, its rank arithmetic and its process groups.
+Everything else asks this object; nobody recomputes ranks or fetches groups elsewhere.
 
 Ranks are laid out as DeepSpeed lays them out. Tensor parallel: tp fastest (AutoTP's mesh is
 (dp, tp), row-major), so ranks 0..tp-1 form the first tp group. Pipeline parallel: DeepSpeed's
@@ -9,8 +10,10 @@ different dp ranks see different prompts.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -22,6 +25,10 @@ class Topology:
     local_rank: int
     tp_size: int = 1
     pp_size: int = 1
+    dp_group: Optional[Any] = field(default=None, compare=False, repr=False)
+    """Ranks that hold the same model shard and see different prompts (None: the whole world)."""
+    model_group: Optional[Any] = field(default=None, compare=False, repr=False)
+    """This rank's tp group or pipeline (None: this rank alone)."""
 
     @classmethod
     def from_env(cls, tp_size: int = 1, pp_size: int = 1) -> "Topology":
@@ -37,9 +44,37 @@ class Topology:
         return cls(world_size=world, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                    tp_size=tp_size, pp_size=pp_size)
 
+    def with_groups(self) -> "Topology":
+        """Collective: create the dp and model process groups (every rank creates every group,
+        in the same order, as torch.distributed requires) and return a copy that holds them."""
+        dp_group = model_group = None
+        if self.dp_size not in (1, self.world_size):
+            for first in range(self.world_size):
+                ranks = self.dp_ranks(first)
+                if ranks[0] == first:
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        dp_group = group
+        if self.model_size > 1:
+            for dp_rank in range(self.dp_size):
+                ranks = self.model_ranks(dp_rank)
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    model_group = group
+        return dataclasses.replace(self, dp_group=dp_group, model_group=model_group)
+
+    def at(self, rank: int) -> "Topology":
+        """The same layout seen from another rank (for tables of every rank's place)."""
+        return Topology(self.world_size, rank, 0, self.tp_size, self.pp_size)
+
     @property
     def dp_size(self) -> int:
         return self.world_size // (self.tp_size * self.pp_size)
+
+    @property
+    def model_size(self) -> int:
+        """Ranks in one model group: tp or pp (the two do not combine yet)."""
+        return self.tp_size * self.pp_size
 
     @property
     def dp_rank(self) -> int:
@@ -56,11 +91,32 @@ class Topology:
         """Pipeline stage of this rank."""
         return self.rank // self.dp_size if self.pp_size > 1 else 0
 
+    def model_ranks(self, dp_rank: Optional[int] = None) -> list[int]:
+        """Global ranks of a model group (tp ranks in order, or pipeline stages in order);
+        by default this rank's."""
+        d = self.dp_rank if dp_rank is None else dp_rank
+        if self.pp_size > 1:
+            return [stage * self.dp_size + d for stage in range(self.pp_size)]
+        return [d * self.tp_size + t for t in range(self.tp_size)]
+
+    def dp_ranks(self, rank: Optional[int] = None) -> list[int]:
+        """Global ranks that hold the same shard as `rank` (by default this rank), in dp order."""
+        place = self if rank is None else self.at(rank)
+        if self.pp_size > 1:
+            return [place.pp_rank * self.dp_size + d for d in range(self.dp_size)]
+        return [d * self.tp_size + place.tp_rank for d in range(self.dp_size)]
+
     @property
     def model_group_source(self) -> int:
         """Global rank of the first rank of this rank's tp group or pipeline (stage 0): it
         samples the group's rollout."""
-        return self.dp_rank if self.pp_size > 1 else self.rank - self.tp_rank
+        return self.model_ranks()[0]
+
+    @property
+    def samples_rollout(self) -> bool:
+        """Whether this rank samples its model group's rollout (and so needs trained weights
+        in its engine)."""
+        return self.rank == self.model_group_source
 
     @property
     def is_main(self) -> bool:

@@ -1,2 +1,3 @@
-"""Experiment configuration: the schema (schema.py), YAML + overrides (loading.py), validation."""
-from megagrpo.config.schema import *  # noqa: F401,F403
+"""Experiment configuration: the schema (schema.py: a dataclass per section, a docstring per
+field), loading with overrides (loading.py), checks (validation.py), the DeepSpeed JSON reader
+(deepspeed_json.py) and the generated reference page (docs.py)."""

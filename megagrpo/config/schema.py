@@ -1,29 +1,28 @@
-"""Experiment configuration: typed sections, YAML plus `key.sub=value` overrides, validation.
+"""The configuration schema: one dataclass per section, a docstring per field (the source of
+docs/configuration.md), and the TRL-style names accepted at the top level.
 
-Everything is checked here, before any model is built. Every error names the key, the value
-and the fix. The seed's TRL-style names (num_generations, learning_rate, kl_coef, ...) are
-accepted at the top level of the YAML and on the command line and land in their section.
+Loading and overrides live in loading.py, checks in validation.py.
 """
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import json
-import os
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
-
-import yaml
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key, the value and the fix."""
 
 
+def require(ok: bool, message: str) -> None:
+    """Raise ConfigError(message) unless ok."""
+    if not ok:
+        raise ConfigError(message)
+
+
 @dataclass
 class ModelConfig:
+    """The policy model (and, when kl_coef > 0, the frozen reference: the same weights)."""
+
     name_or_path: str = ""
     """HF model folder (config.json + safetensors + tokenizer) or hub name."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
@@ -36,6 +35,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """Training and held-out prompts: files, fields, chat template inputs."""
+
     train_file: str = ""
     """Local JSONL/JSON/Parquet/CSV file, or a hub dataset name when online."""
     eval_file: Optional[str] = None
@@ -58,9 +59,11 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
+    """The parallel layout; data parallelism takes the rest of the world size."""
+
     tensor_parallel_size: int = 1
-    """Ranks that split every layer (DeepSpeed AutoTP, vocab-parallel LM head); dp is what
-    is left of the world size."""
+    """Ranks that split the decoder layers' weights (DeepSpeed AutoTP; embeddings, norms and
+    the LM head stay replicated); dp is what is left of the world size."""
     pipeline_parallel_size: int = 1
     """Pipeline stages (DeepSpeed PipelineModule from the HF layers, Llama/Qwen2/Mistral); ZeRO
     stage 0 or 1, grpo.packing on, not with tensor_parallel_size > 1 in this version."""
@@ -68,6 +71,8 @@ class ParallelConfig:
 
 @dataclass
 class GRPOConfig:
+    """The GRPO algorithm, its batch sizes and its optimiser."""
+
     num_generations: int = 8
     """G: completions sampled per prompt; advantages are computed inside each group."""
     per_device_train_batch_size: int = 8
@@ -131,6 +136,8 @@ class GRPOConfig:
 
 @dataclass
 class RolloutConfig:
+    """Generation: the engine and its sampling settings, and the weight sync."""
+
     engine: Literal["vllm", "hf"] = "vllm"
     """vllm: a vLLM engine inside each training process; hf: transformers generate."""
     max_new_tokens: int = 256
@@ -157,6 +164,8 @@ class RolloutConfig:
 
 @dataclass
 class RewardFunctionConfig:
+    """One reward function of the weighted sum."""
+
     name: str = ""
     """Built-in name (answer_match, format, length_penalty, customer_service, math_accuracy,
     think_answer_format, overlong_penalty, code, reward_model) or dotted path module:function."""
@@ -168,12 +177,16 @@ class RewardFunctionConfig:
 
 @dataclass
 class RewardsConfig:
-    functions: list = field(default_factory=list)
+    """The reward: a weighted sum of reward functions."""
+
+    functions: list[RewardFunctionConfig] = field(default_factory=list)
     """List of {name, weight, args}; the reward is the weighted sum."""
 
 
 @dataclass
 class CheckpointConfig:
+    """Checkpoints, resume and the final HF export."""
+
     save_steps: int = 0
     """Save every N training steps (0: only at the end)."""
     keep_last: int = 2
@@ -186,6 +199,8 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
+    """Metrics, samples, held-out evaluation and the progress bar."""
+
     logging_steps: int = 1
     """Write the training metrics every N steps."""
     report_to: Literal["tensorboard", "none"] = "tensorboard"
@@ -202,6 +217,8 @@ class LoggingConfig:
 
 @dataclass
 class Config:
+    """One experiment."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -217,7 +234,7 @@ class Config:
     """Where TensorBoard logs, checkpoints, eval results and the final HF model go."""
 
 
-# The seed's (TRL's) flat names and where they live.
+# TRL-style flat names (GRPOConfig's) and where they live.
 ALIASES = {
     "num_generations": "grpo.num_generations",
     "learning_rate": "grpo.learning_rate",
@@ -238,298 +255,3 @@ ALIASES = {
     "temperature": "rollout.temperature",
     "model_name_or_path": "model.name_or_path",
 }
-
-
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"cannot set '{dotted}': '{part}' is {child!r}, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def _canonical(key: str, value: Any) -> tuple[str, Any]:
-    """A seed (TRL) name -> its dotted place; use_vllm -> rollout.engine."""
-    if key == "use_vllm":
-        _require(isinstance(value, bool), f"use_vllm: expected true or false, got {value!r}")
-        return "rollout.engine", "vllm" if value else "hf"
-    return ALIASES.get(key, key), value
-
-
-def _apply_aliases(raw: dict) -> dict:
-    out: dict = {}
-    for key, value in raw.items():
-        dotted, value = _canonical(key, value)
-        if dotted == key and isinstance(value, dict):  # a section: merge with aliases seen so far
-            out.setdefault(key, {}).update(value)
-        else:
-            _set_dotted(out, dotted, value)
-    return out
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """`grpo.kl_coef=0.1` -> ("grpo.kl_coef", 0.1); the value is parsed as YAML."""
-    if "=" not in text:
-        raise ConfigError(f"override '{text}' is not key=value (example: grpo.kl_coef=0.1)")
-    key, value = text.split("=", 1)
-    key = key.strip().lstrip("-")
-    try:
-        parsed = yaml.safe_load(value) if value != "" else ""
-    except yaml.YAMLError:
-        parsed = value
-    return key, parsed
-
-
-def _check_type(path: str, value: Any, hint: Any) -> Any:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if hint is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _check_type(path, value, inner[0])
-    if origin is Literal:
-        if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-            hint_text = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"{path}: {value!r} is not one of {list(args)}{hint_text}")
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return str(value)
-    if hint in (list, dict) or origin in (list, dict):
-        base = origin or hint
-        if not isinstance(value, base):
-            raise ConfigError(f"{path}: expected a {base.__name__}, got {value!r}")
-        return value
-    raise ConfigError(f"{path}: unsupported type {hint}")
-
-
-def _build(cls, raw: Any, path: str):
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping of keys, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in raw.items():
-        where = f"{path}.{key}" if path else key
-        if key not in names:
-            candidates = names + ([a for a in ALIASES] + ["use_vllm"] if not path else [])
-            close = difflib.get_close_matches(key, candidates, n=1)
-            fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
-            raise ConfigError(f"unknown config key '{where}' ({fix})")
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            kwargs[key] = _build(hint, value, where)
-        else:
-            kwargs[key] = _check_type(where, value, hint)
-    return cls(**kwargs)
-
-
-def load_config(path: Optional[str], overrides: list[str] = (), training: bool = True) -> Config:
-    """Read a YAML file, apply `key.sub=value` overrides, build and validate the Config
-    (training=False: for `megagrpo eval`, which needs no reward function)."""
-    raw: dict = {}
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file '{path}' does not exist")
-        with open(path) as f:
-            try:
-                raw = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping of sections")
-    raw = _apply_aliases(raw)
-    for text in overrides:
-        _set_dotted(raw, *_canonical(*parse_override(text)))
-    rewards = raw.get("rewards")
-    if isinstance(rewards, dict) and isinstance(rewards.get("functions"), list):
-        rewards["functions"] = [
-            _build(RewardFunctionConfig, fn if isinstance(fn, dict) else {"name": fn},
-                   f"rewards.functions[{i}]")
-            for i, fn in enumerate(rewards["functions"])
-        ]
-    cfg = _build(Config, raw, "")
-    validate(cfg, training)
-    return cfg
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def validate(cfg: Config, training: bool = True) -> None:
-    """Ranges, divisibility and files; relative paths are taken from the working directory."""
-    g = cfg.grpo
-    _require(bool(cfg.model.name_or_path),
-             "model.name_or_path is empty: set it to an HF model folder, e.g. "
-             "model.name_or_path=runs/tiny/model")
-    if _looks_local(cfg.model.name_or_path):
-        _require(os.path.isfile(os.path.join(cfg.model.name_or_path, "config.json")),
-                 f"model.name_or_path: '{cfg.model.name_or_path}' has no config.json; build the "
-                 "tiny model with `python tools/make_tiny_model.py` or point it at an HF folder")
-    _require(bool(cfg.data.train_file), "data.train_file is empty: set it to a JSONL/JSON/"
-             "Parquet/CSV file or a hub dataset name")
-    for key in ("train_file", "eval_file"):
-        value = getattr(cfg.data, key)
-        if value and _looks_local(value):
-            _require(os.path.isfile(value), f"data.{key}: file '{value}' does not exist")
-    for key, value, lo in [("grpo.num_generations", g.num_generations, 2),
-                           ("grpo.per_device_train_batch_size", g.per_device_train_batch_size, 1),
-                           ("grpo.gradient_accumulation_steps", g.gradient_accumulation_steps, 1),
-                           ("grpo.num_iterations", g.num_iterations, 1),
-                           ("rollout.max_new_tokens", cfg.rollout.max_new_tokens, 1),
-                           ("data.max_prompt_length", cfg.data.max_prompt_length, 1),
-                           ("grpo.max_tokens_per_microbatch", g.max_tokens_per_microbatch, 0),
-                           ("grpo.logprob_chunk_size", g.logprob_chunk_size, 1),
-                           ("logging.logging_steps", cfg.logging.logging_steps, 1),
-                           ("logging.eval_num_generations", cfg.logging.eval_num_generations, 1),
-                           ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1)]:
-        _require(value >= lo, f"{key}: {value} is below the minimum {lo}")
-    _require(g.learning_rate > 0, f"grpo.learning_rate: {g.learning_rate} must be > 0")
-    _require(g.kl_coef >= 0, f"grpo.kl_coef: {g.kl_coef} must be >= 0 (0 disables the KL term)")
-    _require(0 < g.epsilon < 1, f"grpo.epsilon: {g.epsilon} must be in (0, 1), e.g. 0.2")
-    _require(g.epsilon_high is None or g.epsilon_high > 0,
-             f"grpo.epsilon_high: {g.epsilon_high} must be > 0, e.g. 0.28")
-    _require(g.importance_sampling_cap >= 1,
-             f"grpo.importance_sampling_cap: {g.importance_sampling_cap} must be >= 1")
-    _require(cfg.rollout.temperature > 0,
-             f"rollout.temperature: {cfg.rollout.temperature} must be > 0 for sampling")
-    _require(0 < cfg.rollout.top_p <= 1, f"rollout.top_p: {cfg.rollout.top_p} must be in (0, 1]")
-    _require(0 < cfg.rollout.gpu_memory_utilization < 1,
-             f"rollout.gpu_memory_utilization: {cfg.rollout.gpu_memory_utilization} must be in "
-             "(0, 1), e.g. 0.3 (on CPU rollout.cpu_kv_cache_gb sizes the KV cache instead)")
-    _require(cfg.rollout.cpu_kv_cache_gb > 0,
-             f"rollout.cpu_kv_cache_gb: {cfg.rollout.cpu_kv_cache_gb} must be > 0, e.g. 0.25")
-    _require(g.max_steps == -1 or g.max_steps >= 1,
-             f"grpo.max_steps: {g.max_steps} must be -1 (use num_train_epochs) or >= 1")
-    _require(g.num_train_epochs > 0, f"grpo.num_train_epochs: {g.num_train_epochs} must be > 0")
-    for key in ("checkpoint.save_steps", "logging.sample_steps", "logging.eval_steps"):
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        _require(value >= 0, f"{key}: {value} must be >= 0 (0 turns it off)")
-    max_len = cfg.rollout.max_model_len
-    _require(max_len is None or max_len >= cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-             f"rollout.max_model_len: {max_len} is shorter than data.max_prompt_length + "
-             f"rollout.max_new_tokens = {cfg.data.max_prompt_length + cfg.rollout.max_new_tokens}")
-    per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
-    _require(per_rank % g.num_generations == 0,
-             f"grpo.per_device_train_batch_size x grpo.gradient_accumulation_steps = {per_rank} "
-             f"completions per rank per step is not divisible by grpo.num_generations = "
-             f"{g.num_generations}: whole groups must stay on one rank; use a multiple of "
-             f"{g.num_generations}")
-    _require(len(cfg.rewards.functions) > 0 or not training,
-             "rewards.functions is empty: add at least one, e.g. "
-             "[{name: answer_match, weight: 1.0}]")
-    from megagrpo.rewards import RewardError, resolve
-    for i, fn in enumerate(cfg.rewards.functions):
-        _require(bool(fn.name), f"rewards.functions[{i}].name is empty")
-        try:
-            resolve(fn.name)
-        except RewardError as e:
-            raise ConfigError(f"rewards.functions[{i}].name: {e}") from None
-    if isinstance(cfg.deepspeed, str):
-        _require(os.path.isfile(cfg.deepspeed),
-                 f"deepspeed: file '{cfg.deepspeed}' does not exist; use one of configs/ds_*.json "
-                 "or an inline mapping")
-        with open(cfg.deepspeed) as f:
-            try:
-                json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"deepspeed: '{cfg.deepspeed}' is not valid JSON: {e}") from None
-    else:
-        _require(isinstance(cfg.deepspeed, dict),
-                 f"deepspeed: expected a path or a mapping, got {cfg.deepspeed!r}")
-    _validate_parallel(cfg)
-    _require(cfg.checkpoint.resume in ("auto", "none") or os.path.isdir(cfg.checkpoint.resume),
-             f"checkpoint.resume: '{cfg.checkpoint.resume}' is not auto, none or an existing "
-             "checkpoint folder")
-
-
-PIPELINE_ARCHITECTURES = ("llama", "qwen2", "mistral")
-
-
-def _validate_parallel(cfg: Config) -> None:
-    """Layouts DeepSpeed or the model cannot run are refused here, before anything is built."""
-    tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
-    _require(tp >= 1, f"parallel.tensor_parallel_size: {tp} must be >= 1")
-    _require(pp >= 1, f"parallel.pipeline_parallel_size: {pp} must be >= 1")
-    if pp > 1:
-        stage = deepspeed_zero_stage(cfg)
-        _require(stage <= 1, f"parallel.pipeline_parallel_size={pp} with ZeRO stage {stage}: DeepSpeed "
-                 "runs pipelines with ZeRO stage 0 or 1 only; use configs/ds_zero0.json or a "
-                 "stage-1 config, or pipeline_parallel_size=1")
-    world = os.environ.get("WORLD_SIZE")
-    if world is not None:
-        _require(int(world) % (tp * pp) == 0,
-                 f"world size {world} is not divisible by tensor_parallel_size x "
-                 f"pipeline_parallel_size = {tp} x {pp}; launch a multiple of {tp * pp} ranks")
-    model_config = os.path.join(cfg.model.name_or_path, "config.json")
-    if (tp > 1 or pp > 1) and os.path.isfile(model_config):
-        with open(model_config) as f:
-            model = json.load(f)
-        heads = model.get("num_attention_heads")
-        kv_heads = model.get("num_key_value_heads", heads)
-        for name, count in (("attention heads", heads), ("key-value heads", kv_heads)):
-            _require(count is None or count % tp == 0,
-                     f"parallel.tensor_parallel_size={tp} does not divide the model's {count} "
-                     f"{name}; use a divisor of {count}")
-        _require(pp == 1 or model.get("model_type") in PIPELINE_ARCHITECTURES,
-                 f"parallel.pipeline_parallel_size={pp}: no pipeline layer map for model_type "
-                 f"'{model.get('model_type')}' (supported: {', '.join(PIPELINE_ARCHITECTURES)})")
-        layers = model.get("num_hidden_layers", pp)
-        _require(layers >= pp, f"parallel.pipeline_parallel_size={pp} exceeds the model's "
-                 f"{layers} layers")
-    if pp > 1:
-        _require(tp == 1, f"parallel.pipeline_parallel_size={pp} with tensor_parallel_size={tp}: "
-                 "tensor and pipeline parallelism together are not in this version; use one of them "
-                 "(with data parallelism)")
-        _require(cfg.grpo.packing, f"parallel.pipeline_parallel_size={pp} needs grpo.packing=true "
-                 "(the stages pass packed rows, not padded ones)")
-        _require(not cfg.model.gradient_checkpointing, f"parallel.pipeline_parallel_size={pp} with "
-                 "model.gradient_checkpointing=true is not in this version: a stage holds only its "
-                 "own layers' activations; set model.gradient_checkpointing=false")
-
-
-def deepspeed_zero_stage(cfg: Config) -> int:
-    ds = cfg.deepspeed
-    if isinstance(ds, str):
-        with open(ds) as f:
-            ds = json.load(f)
-    return int(ds.get("zero_optimization", {}).get("stage", 0))
-
-
-def _looks_local(path: str) -> bool:
-    """Hub names look like `org/name`; anything else that names a file system path is local."""
-    data_file = path.lower().endswith((".jsonl", ".json", ".parquet", ".csv"))
-    return (os.path.exists(path) or data_file or path.startswith((".", "/", "~"))
-            or path.count("/") != 1)
-
-
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)

@@ -1,4 +1,5 @@
-"""Models behind one function each: the trainable policy engine and the frozen reference.
+"""What both policy engines build on: the tokenizer, the DeepSpeed config filled in from ours,
+the HF model with its log-prob head, and `deepspeed.initialize` with AdamW and the schedule.
 
 Weights always come from `from_pretrained`, with DeepSpeed's config registered through
 `HfDeepSpeedConfig` under ZeRO-3, so parameters are partitioned as they load and keep their
@@ -6,9 +7,7 @@ real values (a model built by hand inside `zero.Init` would skip transformers' i
 """
 from __future__ import annotations
 
-import copy
 import importlib.util
-import json
 import math
 
 import deepspeed
@@ -16,11 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
-from megagrpo.config import Config
+from megagrpo.config.deepspeed_json import read_deepspeed_config, zero_stage
+from megagrpo.config.schema import Config
 from megagrpo.dtypes import DTYPES
 from megagrpo.engines.logprobs import install_logprob_head
-from megagrpo.engines.pipeline_module import build_pipeline_module, clip_pipeline_gradients
-
 
 
 def load_tokenizer(path: str):
@@ -33,11 +31,7 @@ def load_tokenizer(path: str):
 def deepspeed_config(cfg: Config) -> dict:
     """The user's DeepSpeed JSON with batch sizes, precision, clipping and the tensor-parallel
     size filled in from cfg."""
-    if isinstance(cfg.deepspeed, str):
-        with open(cfg.deepspeed) as f:
-            ds = json.load(f)
-    else:
-        ds = copy.deepcopy(cfg.deepspeed)
+    ds = read_deepspeed_config(cfg.deepspeed)
     g = cfg.grpo
     ds["train_micro_batch_size_per_gpu"] = g.per_device_train_batch_size
     ds["gradient_accumulation_steps"] = g.gradient_accumulation_steps
@@ -55,10 +49,6 @@ def deepspeed_config(cfg: Config) -> dict:
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("wall_clock_breakdown", False)
     return ds
-
-
-def zero_stage(ds_config: dict) -> int:
-    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
 def lr_lambda(cfg: Config, total_steps: int):
@@ -86,7 +76,8 @@ def attention_implementation() -> str:
     return "sdpa"
 
 
-def _load(cfg: Config, ds_config: dict):
+def load_model(cfg: Config, ds_config: dict):
+    """The HF model from its folder, with the log-prob head installed."""
     # Under ZeRO-3 parameters are partitioned as they load. transformers refuses that path with
     # AutoTP, so with tensor parallelism the model loads whole and deepspeed.initialize shards
     # it (more host memory at start-up).
@@ -99,18 +90,9 @@ def _load(cfg: Config, ds_config: dict):
     return model
 
 
-def build_policy(cfg: Config, ds_config: dict, total_steps: int, pipeline_loss=None):
-    """deepspeed.initialize on the HF model: ZeRO 0-3, AdamW, warmup + schedule. With
-    pipeline_parallel_size > 1, on this rank's stage of it (a PipelineEngine whose module's
-    loss_fn is `pipeline_loss`)."""
-    if cfg.parallel.pipeline_parallel_size > 1:
-        model = build_pipeline_module(cfg, attention_implementation(),
-                                      cfg.parallel.pipeline_parallel_size, pipeline_loss)
-    else:
-        model = _load(cfg, ds_config)
-    if cfg.model.gradient_checkpointing and cfg.parallel.pipeline_parallel_size == 1:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+def initialize(model: torch.nn.Module, cfg: Config, ds_config: dict, total_steps: int):
+    """deepspeed.initialize for training: AdamW (DeepSpeed's when the JSON names an optimizer),
+    linear warmup and the configured schedule."""
     optimizer = None
     if "optimizer" not in ds_config:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.grpo.learning_rate,
@@ -119,35 +101,10 @@ def build_policy(cfg: Config, ds_config: dict, total_steps: int, pipeline_loss=N
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps)))
-    if cfg.parallel.pipeline_parallel_size > 1:
-        clip_pipeline_gradients(engine)
     return engine
 
 
-def build_reference(cfg: Config, ds_config: dict, pipeline_loss=None):
-    """The frozen reference: a ZeRO-3 inference engine (no optimizer state) when the policy
-    uses ZeRO-3, optionally with parameters offloaded to CPU; a pipeline engine over the same
-    stages as the policy's under pipeline parallelism; else a plain eval module."""
-    if cfg.parallel.pipeline_parallel_size > 1:
-        model = build_pipeline_module(cfg, attention_implementation(),
-                                      cfg.parallel.pipeline_parallel_size, pipeline_loss)
-        model.requires_grad_(False)
-        ref_config = {k: ds_config[k] for k in ("train_micro_batch_size_per_gpu",
-                                                "gradient_accumulation_steps", "bf16", "steps_per_print")}
-        engine, _, _, _ = deepspeed.initialize(model=model, config=ref_config)
-        return engine
-    if zero_stage(ds_config) != 3:
-        from deepspeed.accelerator import get_accelerator
-        model = _load(cfg, ds_config).eval().requires_grad_(False)
-        return model.to(get_accelerator().current_device_name())
-    ref_config = {k: ds_config[k] for k in ("train_micro_batch_size_per_gpu",
-                                            "gradient_accumulation_steps", "bf16", "steps_per_print")}
-    ref_config["zero_optimization"] = {"stage": 3}
-    if "tensor_parallel" in ds_config:  # the reference is sharded like the policy
-        ref_config["tensor_parallel"] = ds_config["tensor_parallel"]
-    if cfg.model.ref_offload:
-        ref_config["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    model = _load(cfg, ref_config).eval().requires_grad_(False)
-    engine, _, _, _ = deepspeed.initialize(model=model, config=ref_config)
-    engine.eval()
-    return engine
+def inference_config(ds_config: dict) -> dict:
+    """The training config's batch and precision keys, for a frozen model's engine."""
+    keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "steps_per_print")
+    return {k: ds_config[k] for k in keys}

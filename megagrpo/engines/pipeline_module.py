@@ -27,9 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from megagrpo.engines.fused_logprobs import fused_token_logprobs, logprobs_from_logits
 from megagrpo.dtypes import DTYPES
-from megagrpo.engines.packing import pack
+from megagrpo.engines.fused_logprobs import fused_token_logprobs, logprobs_from_logits
+
 
 class SafetensorsSource:
     """Reads single tensors by HF name from a model folder's safetensors files (cast to dtype,
@@ -226,90 +226,10 @@ def build_pipeline_module(cfg, attn_implementation: str, stages: int, loss_fn) -
     return module
 
 
-def clip_pipeline_gradients(engine) -> None:
-    """Gradient clipping of plain fp32 ZeRO-0 training under a pipeline, done right.
-
-    DeepSpeed's clip_fp32_gradients (deepspeed.runtime.utils.clip_grad_norm_, 0.19) counts only
-    the first stage's gradients: with the pipeline grid as mpu it sums the parameters of
-    model-parallel rank 0 and the tensor-parallel ones of other ranks, so later stages are left
-    out of the norm that scales every stage. Here each stage adds its squared norms (a tied
-    copy once: DeepSpeed marks the later copies ds_pipe_replicated), the pipeline sums them,
-    every stage clips by the same factor, and the norm is kept for get_global_grad_norm().
-    (ZeRO-1 and bf16 compute the norm in their optimizers, correctly.)"""
-
-    def clip():
-        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        counted = [p.grad.detach().float() for p in engine.module.parameters()
-                   if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
-        squares = torch.stack([g.pow(2).sum() for g in counted]).sum() if counted else torch.zeros(())
-        dist.all_reduce(squares, group=engine.grid.get_pipe_parallel_group())
-        norm = float(squares.sqrt())
-        scale = engine.gradient_clipping() / (norm + 1e-6)
-        if scale < 1.0:
-            for g in grads:
-                g.mul_(scale)
-        engine._global_grad_norm = norm
-    engine.clip_fp32_gradients = clip
-
-
-# ---- micro-batches and the loss at the last stage ------------------------------------------
-
-def micro_batch_item(mb, share: float, one_row: bool = False):
-    """(inputs, labels) of one micro-batch (a RolloutBatch) for the pipeline engine.
-
-    inputs feed the first stage; labels reach the loss at the last stage: where each predicted
-    token goes in the (B, C) layout, everything the GRPO loss needs besides the policy's own
-    log-probs, and the micro-batch's share (0 for a rank's padding micro-batch)."""
-    prompts, completions = mb.sequences()
-    packed = pack(prompts, completions, None if one_row else max(mb.token_counts()))
-    inputs = (packed.input_ids, packed.position_ids, packed.predict_at, packed.targets)
-    empty = torch.zeros(0)
-    labels = (packed.rows, packed.cols, mb.completion_mask, mb.advantages, mb.sampler_logp,
-              mb.old_logp if mb.old_logp is not None else empty,
-              mb.ref_logp if mb.ref_logp is not None else empty, torch.tensor([share]))
-    return inputs, labels
-
-
-def scatter_tokens(values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, like: torch.Tensor):
-    """(K,) per-token values into a zero (B, C) tensor shaped like `like`."""
-    return torch.zeros(like.shape, dtype=values.dtype, device=values.device).index_put((rows, cols), values)
-
-
-class PipelineLoss:
-    """The PipelineModule's loss_fn, run at the last stage.
-
-    mode "logprobs" (eval_batch: reference and old-policy log-probs): collects each micro-batch's
-    (K,) log-probs in `collected`.
-    mode "loss" (train_batch): the micro-batch's GRPO loss (loss.micro_batch_loss), times the
-    number of micro-batches because DeepSpeed divides by it while our normalisers already
-    cover the whole step."""
-
-    def __init__(self, g):
-        self.g, self.mode, self.collected = g, "logprobs", []
-        self.normalisers, self.stats, self.micro_batches = None, None, 1
-
-    def start_step(self, normalisers: dict, stats, micro_batches: int) -> None:
-        self.mode, self.normalisers, self.stats, self.micro_batches = "loss", normalisers, stats, micro_batches
-
-    def __call__(self, outputs, labels):
-        from megagrpo.algorithm.loss import LossInputs, micro_batch_loss
-        if self.mode == "logprobs":  # DeepSpeed sums what this returns: keep the outputs here
-            self.collected.append(outputs[:, 0].detach())
-            return outputs.new_zeros(())
-        rows, cols, mask, advantages, sampler_logp, old_logp, ref_logp, share = labels
-        logp = scatter_tokens(outputs[:, 0], rows, cols, mask)
-        entropy = scatter_tokens(outputs[:, 1].detach(), rows, cols, mask)
-        inputs = LossInputs(mask, advantages, sampler_logp, old_logp if old_logp.numel() else None,
-                            ref_logp if ref_logp.numel() else None)
-        share = float(share[0])
-        loss = micro_batch_loss(self.g, logp, entropy, inputs, self.normalisers, share,
-                                self.stats if share else None)
-        return loss * self.micro_batches
-
-
 # ---- weights out of the pipeline ----------------------------------------------------------
 
-def named_full_tensors(module: DecoderPipeline, pipe_group, pipe_ranks: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
+def gather_to_first_stage(module: DecoderPipeline, pipe_group,
+                          pipe_ranks: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for the whole model on the pipeline's first-stage rank, streamed
     stage by stage: each stage sends its layers' tensors to it one at a time. Other stages
     yield nothing but must iterate to the end (they send). A tied weight is sent once."""

@@ -110,6 +110,17 @@ def resolve(name: str) -> Callable:
     return getattr(module, attr)
 
 
+def check_reward_names(functions: list) -> None:
+    """Config check: every rewards.functions entry names a function that resolves."""
+    from megagrpo.config.schema import ConfigError, require
+    for i, fn in enumerate(functions):
+        require(bool(fn.name), f"rewards.functions[{i}].name is empty")
+        try:
+            resolve(fn.name)
+        except RewardError as e:
+            raise ConfigError(f"rewards.functions[{i}].name: {e}") from None
+
+
 @dataclass
 class RewardFunction:
     name: str
@@ -182,7 +193,7 @@ def compute_rewards(functions: list[RewardFunction], prompts: list, completions:
 def component_metrics(details: dict, group=None) -> dict:
     """`rewards/<fn>/<component>` means over the ranks of `group` (every rank runs the same
     functions, so every rank has the same component names)."""
-    from megagrpo.metrics import all_reduce
+    from megagrpo.cluster.distributed import all_reduce
 
     components = details.get("components", {})
     if not components:

@@ -85,7 +85,7 @@ class RewardModel:
         batches = [texts[i:i + self.batch_size] for i in range(0, len(texts), self.batch_size)]
         count = len(batches)
         if self.collective:  # every rank must run as many (collective) forwards
-            from megagrpo.metrics import all_reduce
+            from megagrpo.cluster.distributed import all_reduce
             count = int(all_reduce(torch.tensor([len(batches)]), "max")[0])
         scores = []
         for b in range(count):

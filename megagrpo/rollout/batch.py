@@ -1,4 +1,5 @@
-"""Rollout batches: prompts and their completions as padded tensors, and micro-batches of them.
+"""What a step carries: the sampler's Completions, and the RolloutBatch made of them (prompts and
+completions as padded tensors) with micro-batches of it.
 
 Layout: prompts left-padded to P, completions right-padded to C, so that position P-1+t of the
 logits predicts completion token t. Position ids count real tokens only, as the sampler does.
@@ -10,7 +11,12 @@ from typing import Optional
 
 import torch
 
-from megagrpo.rollout.engines import Completion
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    truncated: bool  # stopped by max_new_tokens, not by EOS or a stop string
 
 
 _FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")

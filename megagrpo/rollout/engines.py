@@ -14,19 +14,22 @@ computes them (vLLM's processed_logprobs).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
-from megagrpo.config import Config
+from megagrpo.config.schema import Config
+from megagrpo.rollout.batch import Completion
 
 
-@dataclass
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    truncated: bool  # stopped by max_new_tokens, not by EOS or a stop string
+def sampling_seed(seed: int, step: int, prompt_index: int) -> int:
+    """The sampling seed of one prompt's group: a pure function of (seed, step, prompt), so a
+    prompt's samples are the same whatever the layout and after a resume. Held-out evaluation
+    uses step EVAL_STEP at every evaluation, so its samples are comparable over training."""
+    return ((seed * 1_000_003 + step) * 1_000_033 + prompt_index) % 2**31
+
+
+EVAL_STEP = -1
 
 
 def _on_gpu() -> bool:

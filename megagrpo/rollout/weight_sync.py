@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator, Optional
+from typing import Iterator
 
 import deepspeed
 import torch
@@ -53,13 +53,11 @@ def _tensor_parallel_gather(param, owner):
     return GatherReplacedLayerParams([param], owner)
 
 
-def sync_weights(module: torch.nn.Module, rollout_engine, bucket_mb: int = 256,
-                 tensors: Optional[Iterator[tuple[str, torch.Tensor]]] = None) -> float:
-    """Stream the trainer's weights (`tensors`, by default named_full_tensors(module)) into
-    the rollout engine in place; returns seconds taken. A rank without an engine (a pipeline
-    stage other than the first) still runs the stream: it sends its share."""
+def sync_weights(tensors: Iterator[tuple[str, torch.Tensor]], rollout_engine) -> float:
+    """Stream (HF name, whole tensor) pairs into the rollout engine in place; returns seconds
+    taken. A rank without an engine to update (None) still runs the stream to the end: the
+    gathers (ZeRO-3, AutoTP, pipeline stages) are collective."""
     start = time.perf_counter()
-    tensors = tensors if tensors is not None else named_full_tensors(module, bucket_mb)
     if rollout_engine is None:
         for _ in tensors:
             pass

@@ -5,37 +5,40 @@ completion next to the trainer's, before and after. Writes swap_rank<r>.json to 
 """
 import json
 import os
-import sys
 
 import torch
 
 from megagrpo.rollout.batch import make_batch
 from megagrpo.engines.logprobs import completion_logprobs
-from megagrpo.config import load_config
-from megagrpo.rollout.engines import Completion
+from megagrpo.config.loading import load_config
+from megagrpo.rollout.batch import Completion
 from megagrpo.cluster.distributed import init_distributed
 from megagrpo.train import Trainer, parse_args
 
+# The fixed completion: its tokens under the run's tokenizer, then EOS. The probe writes the text
+# and the token ids, so that the test derives how many log-probs each side must give.
+COMPLETION_TEXT = "3 + 4 = 7. Answer: 7"
+
 
 def main():
-    args = parse_args(sys.argv[1:])
+    args = parse_args()  # the trainer's argparse parser: --config, overrides, --local_rank/--local-rank
     cfg = load_config(args.config, args.overrides)
     topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size)
     trainer = Trainer(cfg, topology)
     prompt = trainer.prompts[0].token_ids
-    completion = trainer.tokenizer("3 + 4 = 7. Answer: 7", add_special_tokens=False)["input_ids"]
+    completion = trainer.tokenizer(COMPLETION_TEXT, add_special_tokens=False)["input_ids"]
     completion.append(trainer.tokenizer.eos_token_id)
     batch = make_batch([prompt], [Completion(completion, [0.0] * len(completion), False)],
                        torch.zeros(1), trainer.tokenizer.pad_token_id)
 
     def trainer_logprobs():
-        trainer.policy.eval()
+        trainer.engine.policy.eval()
         with torch.no_grad():
-            return completion_logprobs(trainer.policy, batch, 1.0)[0][0].tolist()
+            return completion_logprobs(trainer.engine.policy, batch, 1.0)[0][0].tolist()
 
-    from megagrpo.rollout.weight_sync import sync_weights
-    sync_weights(trainer.policy.module, trainer.rollout)
-    result = {"engine_before": trainer.rollout.score(prompt + completion, len(prompt)),
+    trainer.sync_rollout_weights()
+    result = {"completion_text": COMPLETION_TEXT, "completion": completion,
+              "engine_before": trainer.rollout.score(prompt + completion, len(prompt)),
               "trainer_before": trainer_logprobs()}
     metrics = trainer.train_step()
     result.update(engine_after=trainer.rollout.score(prompt + completion, len(prompt)),

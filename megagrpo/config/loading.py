@@ -1,0 +1,155 @@
+"""Loading a configuration: the YAML file, TRL-style names, `key.sub=value` overrides, and
+type checking of every value against the schema (schema.py), then validation.py's checks.
+Every error names the key, the value and the fix."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from typing import Any, Literal, Optional
+
+import yaml
+
+from megagrpo.config.schema import ALIASES, Config, ConfigError
+from megagrpo.config.validation import validate
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set '{dotted}': '{part}' is {child!r}, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _canonical(key: str, value: Any) -> tuple[str, Any]:
+    """A TRL-style name -> its dotted place; use_vllm -> rollout.engine."""
+    if key == "use_vllm":
+        if not isinstance(value, bool):
+            raise ConfigError(f"use_vllm: expected true or false, got {value!r}")
+        return "rollout.engine", "vllm" if value else "hf"
+    return ALIASES.get(key, key), value
+
+
+def _apply_aliases(raw: dict) -> dict:
+    out: dict = {}
+    for key, value in raw.items():
+        dotted, value = _canonical(key, value)
+        if dotted == key and isinstance(value, dict):  # a section: merge with aliases seen so far
+            out.setdefault(key, {}).update(value)
+        else:
+            _set_dotted(out, dotted, value)
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`grpo.kl_coef=0.1` -> ("grpo.kl_coef", 0.1); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' is not key=value (example: grpo.kl_coef=0.1)")
+    key, value = text.split("=", 1)
+    key = key.strip().lstrip("-")
+    try:
+        parsed = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key, parsed
+
+
+def _check_type(path: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(path, value, inner[0])
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint_text = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{path}: {value!r} is not one of {list(args)}{hint_text}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return str(value)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):  # a bare value fills the first field: [answer_match]
+            value = {dataclasses.fields(hint)[0].name: value}
+        return _build(hint, value, path)
+    if hint in (list, dict) or origin in (list, dict):
+        base = origin or hint
+        if not isinstance(value, base):
+            raise ConfigError(f"{path}: expected a {base.__name__}, got {value!r}")
+        if base is list and args:
+            return [_check_type(f"{path}[{i}]", item, args[0]) for i, item in enumerate(value)]
+        return value
+    raise ConfigError(f"{path}: unsupported type {hint}")
+
+
+def _build(cls, raw: Any, path: str):
+    """An instance of dataclass `cls` from a mapping, every value type-checked."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        where = f"{path}.{key}" if path else key
+        if key not in names:
+            candidates = names + ([a for a in ALIASES] + ["use_vllm"] if not path else [])
+            close = difflib.get_close_matches(key, candidates, n=1)
+            fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key '{where}' ({fix})")
+        kwargs[key] = _check_type(where, value, hints[key])
+    return cls(**kwargs)
+
+
+def load_config(path: Optional[str], overrides: list[str] = (), training: bool = True) -> Config:
+    """Read a YAML file, apply `key.sub=value` overrides, build and validate the Config
+    (training=False: for `megagrpo eval`, which needs no reward function)."""
+    raw: dict = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file '{path}' does not exist")
+        with open(path) as f:
+            try:
+                raw = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections")
+    raw = _apply_aliases(raw)
+    for text in overrides:
+        _set_dotted(raw, *_canonical(*parse_override(text)))
+    cfg = _build(Config, raw, "")
+    validate(cfg, training)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,93 @@
+"""What the trainer asks of the policy, whatever the parallel layout.
+
+    engine = build_engine(cfg, topology, total_steps)      # megagrpo.engines
+    micro_batches = engine.micro_batches(batch)            # rows per micro-batch, same count on every rank
+    batch.ref_logp = engine.logprobs(batch, micro_batches, reference=True)
+    metrics = engine.optimize(batch, micro_batches)        # num_iterations passes, one step each
+    for name, tensor in engine.full_tensors(): ...         # whole HF tensors (weight sync, export)
+
+Two implementations: DeepSpeedEngine (deepspeed_engine.py: ZeRO 0-3, AutoTP) and
+PipelineEngine (pipeline_engine.py: DeepSpeed PipelineModule). What they share lives here:
+micro-batching, the loss normalisers and the step's statistics.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+
+from megagrpo.algorithm.loss import StepStats, declare_stats
+from megagrpo.cluster.distributed import all_reduce
+from megagrpo.cluster.topology import Topology
+from megagrpo.config.schema import Config
+from megagrpo.engines.packing import balanced_microbatches
+from megagrpo.rollout.batch import RolloutBatch
+
+
+class PolicyEngine:
+    """The policy (a DeepSpeed engine in `self.policy`) and its frozen reference."""
+
+    policy = None
+    reference = None
+
+    def __init__(self, cfg: Config, topology: Topology):
+        self.cfg, self.g, self.topo = cfg, cfg.grpo, topology
+
+    # ---- per layout ---------------------------------------------------------------------------
+
+    def logprobs(self, batch: RolloutBatch, micro_batches: list[list[int]],
+                 reference: bool = False) -> Optional[torch.Tensor]:
+        """(B, C) log-probs of the completion tokens under the policy (or the reference), no
+        gradient, over the update's micro-batches. Returns None for a reference that does
+        not exist (kl_coef 0)."""
+        raise NotImplementedError
+
+    def optimize(self, batch: RolloutBatch, micro_batches: list[list[int]]) -> dict:
+        """num_iterations passes over the batch, one optimizer step each; returns the step's
+        statistics (loss, entropy, KL, clip ratios, importance weights, grad norm, lr)."""
+        raise NotImplementedError
+
+    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, whole tensor) for every weight, on the rank that samples the rollout;
+        collective: every rank iterates to the end."""
+        raise NotImplementedError
+
+    # ---- shared -------------------------------------------------------------------------------
+
+    def micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
+        """Row indices per micro-batch: within the token budget and balanced, or fixed-size.
+        Every rank gets the same number of micro-batches."""
+        g = self.g
+        if not g.max_tokens_per_microbatch:
+            size = g.per_device_train_batch_size
+            return [list(range(s, min(s + size, len(batch)))) for s in range(0, len(batch), size)]
+        lengths = batch.token_counts()
+        local = balanced_microbatches(lengths, g.max_tokens_per_microbatch)
+        count = int(all_reduce(torch.tensor([len(local)]), "max")[0])
+        return balanced_microbatches(lengths, g.max_tokens_per_microbatch, min_count=count)
+
+    def loss_normalisers(self, batch: RolloutBatch) -> dict:
+        """What the chosen aggregation divides by, for the whole step (see grpo.aggregate)."""
+        tokens = float(batch.completion_mask.sum())
+        if self.g.loss_type == "dapo":  # global token mean; DeepSpeed averages over dp ranks
+            summed = all_reduce(torch.tensor([tokens], dtype=torch.float64), group=self.topo.dp_group)
+            tokens = float(summed[0]) / self.topo.dp_size
+        return {"num_sequences": len(batch), "num_tokens": tokens,
+                "max_completion_length": self.cfg.rollout.max_new_tokens}
+
+    def new_stats(self) -> StepStats:
+        stats = StepStats()
+        declare_stats(stats, self.g)
+        return stats
+
+    def step_metrics(self, stats: StepStats, loss_group, grad_norm: Optional[float]) -> dict:
+        """The statistics reduced over the ranks. DeepSpeed averages gradients over dp ranks:
+        the step's loss is the mean of the ranks' sums over `loss_group` (the ranks that hold
+        a copy of the loss), per pass."""
+        out = stats.reduce()
+        loss = float(all_reduce(torch.tensor([stats.loss]), group=loss_group)[0])
+        out["loss"] = loss / self.topo.dp_size / self.g.num_iterations
+        out.pop("sampling/sampling_logp_difference/min", None)
+        out["learning_rate"] = self.policy.get_lr()[0]
+        out["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        return out

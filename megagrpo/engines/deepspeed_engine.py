@@ -1,0 +1,101 @@
+"""The DeepSpeed engine: the HF model under ZeRO 0-3, optionally tensor-parallel (AutoTP).
+
+Every rank runs the same micro-batches through `deepspeed.initialize`'s engine: forward (the
+fused log-prob head, logprobs.py), the GRPO loss (algorithm/loss.py), backward with gradient
+accumulation, one optimizer step per pass. The reference is a ZeRO-3 inference engine (no
+optimizer state) when the policy uses ZeRO-3, else a plain eval module.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import deepspeed
+import torch
+
+from megagrpo.algorithm.loss import LossInputs, micro_batch_loss
+from megagrpo.cluster.topology import Topology
+from megagrpo.config.deepspeed_json import zero_stage
+from megagrpo.config.schema import Config
+from megagrpo.engines.base import PolicyEngine
+from megagrpo.engines.logprobs import completion_logprobs
+from megagrpo.engines.models import deepspeed_config, inference_config, initialize, load_model
+from megagrpo.rollout.batch import RolloutBatch
+from megagrpo.rollout.weight_sync import named_full_tensors
+
+
+class DeepSpeedEngine(PolicyEngine):
+    def __init__(self, cfg: Config, topology: Topology, total_steps: int):
+        super().__init__(cfg, topology)
+        self.ds_config = deepspeed_config(cfg)
+        model = load_model(cfg, self.ds_config)
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        self.policy = initialize(model, cfg, self.ds_config, total_steps)
+        self.reference = self._build_reference() if self.g.kl_coef > 0 else None
+
+    def _build_reference(self):
+        """A ZeRO-3 inference engine (partitioned and sharded like the policy, optionally
+        offloaded to CPU) when the policy uses ZeRO-3; else a plain eval module."""
+        if zero_stage(self.ds_config) != 3:
+            from deepspeed.accelerator import get_accelerator
+            model = load_model(self.cfg, self.ds_config).eval().requires_grad_(False)
+            return model.to(get_accelerator().current_device_name())
+        ref_config = inference_config(self.ds_config)
+        ref_config["zero_optimization"] = {"stage": 3}
+        if "tensor_parallel" in self.ds_config:  # the reference is sharded like the policy
+            ref_config["tensor_parallel"] = self.ds_config["tensor_parallel"]
+        if self.cfg.model.ref_offload:
+            ref_config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        model = load_model(self.cfg, ref_config).eval().requires_grad_(False)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ref_config)
+        engine.eval()
+        return engine
+
+    def _forward(self, model, mb: RolloutBatch):
+        return completion_logprobs(model, mb, self.cfg.rollout.temperature, self.g.packing,
+                                   self.g.fused_logprobs)
+
+    def logprobs(self, batch, micro_batches, reference=False) -> Optional[torch.Tensor]:
+        model = self.reference if reference else self.policy
+        if model is None:
+            return None
+        out = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
+        model.eval()
+        with torch.no_grad():
+            for rows in micro_batches:  # an empty micro-batch still runs (ZeRO-3 gathers are collective)
+                logp = self._forward(model, batch.select(rows or [0]))[0]
+                if rows:
+                    out[torch.tensor(rows)[:, None], torch.arange(logp.shape[1])[None, :]] = logp
+        return out
+
+    def optimize(self, batch, micro_batches) -> dict:
+        stats, normalisers = self.new_stats(), self.loss_normalisers(batch)
+        self.policy.train()
+        grad_norm = None
+        for _ in range(self.g.num_iterations):
+            for i, rows in enumerate(micro_batches):
+                self.policy.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+                # a rank with fewer sequences than micro-batches still runs the forward
+                # (ZeRO-3 gathers are collective) and contributes zero
+                mb, share = (batch.select(rows), 1.0) if rows else (batch.select([0]), 0.0)
+                logp, entropy = self._forward(self.policy, mb)
+                inputs = LossInputs(mb.completion_mask, mb.advantages, mb.sampler_logp, mb.old_logp, mb.ref_logp)
+                loss = micro_batch_loss(self.g, logp, entropy, inputs, normalisers, share, stats if rows else None)
+                self.policy.backward(loss, scale_wrt_gas=False)
+            grad_norm = self._grad_norm_before_step()
+            self.policy.step()
+        reported = self.policy.get_global_grad_norm()
+        return self.step_metrics(stats, self.topo.dp_group, reported if reported is not None else grad_norm)
+
+    def _grad_norm_before_step(self) -> Optional[float]:
+        """DeepSpeed reports the gradient norm under ZeRO and bf16, not for plain fp32 ZeRO-0:
+        there it is measured here (gradients are already averaged over dp)."""
+        if zero_stage(self.ds_config) != 0 or self.cfg.model.dtype != "float32":
+            return None
+        from deepspeed.runtime.utils import get_global_norm_of_tensors
+        grads = [p.grad for p in self.policy.module.parameters() if p.grad is not None]
+        return float(get_global_norm_of_tensors(grads, mpu=self.policy.mpu)) if grads else 0.0
+
+    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return named_full_tensors(self.policy.module, self.cfg.rollout.sync_bucket_mb)
