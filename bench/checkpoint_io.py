@@ -45,23 +45,25 @@ def save_and_load(model_dir, ckpt_root):
     import torch
 
     from megagrpo.checkpoints import checkpoint
-    from megagrpo.config.loading import load_config
-    from megagrpo.engines.models import build_policy, deepspeed_config
     from megagrpo.cluster.distributed import init_distributed
+    from megagrpo.config.loading import load_config
+    from megagrpo.engines import build_engine
 
-    init_distributed()
+    topology = init_distributed()
     data = os.path.join(ckpt_root, "data.jsonl")
     with open(data, "w") as f:
         f.write('{"prompt": "1 + 1", "answer": "2"}\n' * 8)
     cfg = load_config(os.path.join(ROOT, "configs/tiny_arith.yaml"), [
         f"model.name_or_path={model_dir}", f"data.train_file={data}", "data.eval_file=null",
         "model.dtype=float32", "grpo.kl_coef=0"])
-    engine = build_policy(cfg, deepspeed_config(cfg), total_steps=10)
+    engine = build_engine(cfg, topology, total_steps=10).policy
     loss = engine(input_ids=torch.tensor([[1, 2, 3, 4]])).logits.float().mean()
     engine.backward(loss)  # one step, so that the optimizer state (Adam moments) exists
     engine.step()
     start = time.perf_counter()
-    path = checkpoint.save(engine, ckpt_root, 1, {"step": 1, "model": model_dir}, 2, True, 0)
+    state = checkpoint.TrainerState(step=1, sampler={}, world_size=1, dp_size=1, num_prompts=8, total_steps=10,
+                                    prompts_per_step=1, model=model_dir)
+    path = checkpoint.save(engine, ckpt_root, state, 2, True, 0)
     save_s = time.perf_counter() - start
     start = time.perf_counter()
     checkpoint.load(engine, path, 0)

@@ -58,12 +58,9 @@ def _config(model, data, tp, pp, stage):
 
 def probe(model, out_dir, tp, pp, stage):
     """Runs inside each rank (under the deepspeed launcher)."""
-    from megagrpo.rollout.batch import make_batch
-    from megagrpo.engines.logprobs import completion_logprobs
-    from megagrpo.engines.models import build_policy, deepspeed_config
-    from megagrpo.engines.pipeline_module import PipelineLoss, micro_batch_item
-    from megagrpo.rollout.batch import Completion
     from megagrpo.cluster.distributed import init_distributed
+    from megagrpo.engines import build_engine
+    from megagrpo.rollout.batch import Completion, make_batch
 
     topology = init_distributed(tp_size=tp, pp_size=pp)
     before = live_tensor_bytes()
@@ -74,11 +71,10 @@ def probe(model, out_dir, tp, pp, stage):
                                            "stage3_prefetch_bucket_size": 10**6,
                                            "stage3_param_persistence_threshold": 0,
                                            "contiguous_gradients": False}}
-    loss = PipelineLoss(cfg.grpo) if pp > 1 else None
-    engine = build_policy(cfg, deepspeed_config(cfg), total_steps=10, pipeline_loss=loss)
+    engine = build_engine(cfg, topology, total_steps=10)
     per_rank = GLOBAL_SEQUENCES // topology.dp_size
     gen = torch.Generator().manual_seed(topology.dp_rank)
-    vocab = engine.module.config.vocab_size
+    vocab = engine.policy.module.config.vocab_size
     prompts = [torch.randint(3, vocab, (32,), generator=gen).tolist() for _ in range(per_rank)]
     completions = [Completion(torch.randint(3, vocab, (SEQUENCE_LENGTH - 32,), generator=gen).tolist(),
                               [0.0] * (SEQUENCE_LENGTH - 32), False) for _ in range(per_rank)]
@@ -86,17 +82,7 @@ def probe(model, out_dir, tp, pp, stage):
     times = []
     for _ in range(3):
         start = time.perf_counter()
-        if pp > 1:
-            parts = [batch.select(list(range(i, i + 8))) for i in range(0, per_rank, 8)]
-            loss.start_step({"num_sequences": per_rank, "num_tokens": float(batch.completion_mask.sum()),
-                             "max_completion_length": SEQUENCE_LENGTH}, None, len(parts))
-            engine.set_train_batch_size(len(parts) * 8 * topology.dp_size)
-            engine.train_batch(iter([micro_batch_item(mb, 1.0) for mb in parts]))
-        else:
-            logp, _ = completion_logprobs(engine, batch, 1.0)
-            engine.backward((logp * batch.completion_mask).sum() / batch.completion_mask.sum(),
-                            scale_wrt_gas=False)
-            engine.step()
+        engine.optimize(batch, engine.micro_batches(batch))  # the GRPO update, whatever the layout
         times.append(time.perf_counter() - start)
     after = live_tensor_bytes()
     with open(os.path.join(out_dir, f"rank{topology.rank}.json"), "w") as f:

@@ -14,11 +14,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megagrpo.cluster.distributed import init_distributed  # noqa: E402
 from megagrpo.config.schema import Config, DataConfig, ModelConfig, RolloutConfig  # noqa: E402
 from megagrpo.data import load_prompts  # noqa: E402
 from megagrpo.engines.models import load_tokenizer  # noqa: E402
 from megagrpo.rollout.engines import HFEngine, VLLMEngine  # noqa: E402
-from megagrpo.cluster.distributed import init_distributed  # noqa: E402
 
 
 def measure(engine, prompt_ids, n, repeats):

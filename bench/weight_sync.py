@@ -15,9 +15,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megagrpo.cluster.distributed import init_distributed  # noqa: E402
 from megagrpo.config.schema import Config, ModelConfig, RolloutConfig  # noqa: E402
 from megagrpo.rollout.engines import VLLMEngine  # noqa: E402
-from megagrpo.cluster.distributed import init_distributed  # noqa: E402
 from megagrpo.rollout.weight_sync import named_full_tensors, sync_weights  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def main():
             for dst, (_, src) in zip(targets, named_full_tensors(model)):
                 dst.copy_(src)
 
-        sync = best_of(lambda: sync_weights(named_full_tensors(model), engine), args.repeats)
+        sync = best_of(lambda engine=engine: sync_weights(named_full_tensors(model), engine), args.repeats)
         copy = best_of(plain_copy, args.repeats)
         rows.append({"model": path, "mparams": params, "sync_s": sync, "copy_s": copy,
                      "sync_s_per_mparam": sync / params, "copy_s_per_mparam": copy / params,

@@ -1,4 +1,4 @@
-"""Offline checkpoint conversion: the same as `megagrpo convert` (see megagrpo/convert.py).
+"""Offline checkpoint conversion: the same as `megagrpo convert` (see megagrpo/checkpoints/convert.py).
 
     python tools/convert_checkpoint.py inspect runs/x/checkpoints/step_00000040
     python tools/convert_checkpoint.py to-hf runs/x/checkpoints/step_00000040 out/hf --dtype bfloat16

@@ -1,6 +1,6 @@
-"""The GRPO loss of one micro-batch, and the statistics it records. One function serves both
-the DeepSpeed engine's loop (train.py) and the last stage of a pipeline (pipeline.py's
-loss_fn), so the two layouts compute the same thing."""
+"""The GRPO loss of one micro-batch, and the step statistics it records (StepStats). One
+function serves both engines: the DeepSpeed engine's loop and the last stage of a pipeline
+(engines/pipeline_engine.py's loss_fn), so the two layouts compute the same thing."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -17,7 +17,7 @@ reads:
              reassembled from the ranks' slices, files memory-mapped and re-mapped every
              16 MiB read, one tensor at a time
   pipeline   DeepSpeed's layer_XX-model_states.pt files, read one layer at a time and named
-             as pipeline.py names them (embedding, decoder layers, final norm, untied head)
+             as engines/pipeline_module.py names them (embedding, decoder layers, final norm, untied head)
   AutoTP     each model-parallel rank's tensors (read as above), the split ones joined
              along the dimension the model's config says is tp times larger
 
@@ -141,7 +141,7 @@ def _merge_tensor_parallel(ckpt, info, model, model_files, optim_files):
 
 def _pipeline_tensors(layer_files):
     """Layer files in order: embedding ("weight"), decoder layers ("layer.*"), final norm
-    ("norm.weight"), untied head ("weight"), as pipeline.py's stage modules name them. A tied
+    ("norm.weight"), untied head ("weight"), as engines/pipeline_module.py's stage modules name them. A tied
     head has no file of its own (DeepSpeed saves the tied module with its first layer)."""
     decoder, seen_norm = 0, False
     for path in layer_files:

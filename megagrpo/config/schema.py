@@ -151,7 +151,8 @@ class RolloutConfig:
     stop: list = field(default_factory=list)
     """Extra stop strings (the tokenizer's EOS always stops)."""
     gpu_memory_utilization: float = 0.3
-    """vLLM's share of accelerator memory (of RAM on CPU) for weights and KV cache."""
+    """On GPU, vLLM's share of accelerator memory for weights and KV cache (on CPU the KV cache
+    is sized by cpu_kv_cache_gb instead)."""
     cpu_kv_cache_gb: float = 0.25
     """On CPU: GiB of RAM vLLM reserves for its KV cache (per rank)."""
     max_model_len: Optional[int] = None

@@ -1,4 +1,4 @@
-"""The code reward (seed case 2): syntax, unit tests in the sandbox, efficiency.
+"""The code reward: syntax, unit tests in the sandbox, efficiency.
 
     reward = syntax_weight x [the code compiles]
            + tests_weight x (tests passed / tests)

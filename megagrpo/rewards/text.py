@@ -1,7 +1,7 @@
-"""Text rewards: customer service (seed case 1), math accuracy (math-verify), think/answer
+"""Text rewards: the customer-service reward, math accuracy (math-verify), think/answer
 format, and DAPO's soft overlong penalty.
 
-Each is a reward function `fn(prompts, completions, **fields) -> list[float]` (see rewards.py);
+Each is a reward function `fn(prompts, completions, **fields) -> list[float]` (see rewards/__init__.py);
 customer_service returns its components too, which the trainer logs as
 `rewards/customer_service/<component>`.
 """

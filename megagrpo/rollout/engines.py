@@ -13,6 +13,7 @@ computes them (vLLM's processed_logprobs).
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Iterable
 
@@ -30,6 +31,7 @@ def sampling_seed(seed: int, step: int, prompt_index: int) -> int:
 
 
 EVAL_STEP = -1
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vllm 0.32
 
 
 def _on_gpu() -> bool:
@@ -57,6 +59,8 @@ class VLLMEngine:
             max_model_len=r.max_model_len or (cfg.data.max_prompt_length + r.max_new_tokens),
             logprobs_mode="processed_logprobs", enable_sleep_mode=self.can_sleep,
             enforce_eager=not _on_gpu(), enable_prefix_caching=False, **kwargs)
+        tied = bool(getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False))
+        logging.getLogger(RELOAD_LOGGER).addFilter(_ExpectedReloadWarnings(tied))
 
     def generate(self, prompt_ids: list[list[int]], n: int, seeds: list[int],
                  greedy: bool = False) -> list[list[Completion]]:
@@ -101,6 +105,27 @@ class VLLMEngine:
         if self.sleeping:
             self.llm.wake_up()
             self.sleeping = False
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """vLLM's in-place reload warns "<Layer>: Failed to load weights" for every layer that has
+    loadable tensors but received none, and then puts that layer's previous tensors back.
+    Two such layers are expected on every sync, so their lines are dropped here (any other
+    layer's still shows, since it would mean a weight missing from the stream):
+    - RotaryEmbedding: its cos/sin cache is computed from the model config; HF checkpoints,
+      and so our stream, never hold it, and the restored cache is the right one.
+    - ParallelLMHead of a model with tied embeddings: the stream sends the shared weight once,
+      as the embedding (vLLM skips lm_head.weight of tied models anyway); the head is then
+      re-derived from the new embedding by _refresh_tied_lm_head. tests/test_swap.py shows the
+      engine's log-probs after a sync equal the trainer's."""
+
+    def __init__(self, tied_embeddings: bool):
+        super().__init__()
+        self.expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if tied_embeddings else set())
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        layer, _, rest = record.getMessage().partition(": ")
+        return not (rest == "Failed to load weights" and layer in self.expected)
 
 
 def _refresh_tied_lm_head(worker) -> None:
