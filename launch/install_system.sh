@@ -2,7 +2,7 @@
 # Debian packages the test suite needs beyond Python: sshd + pdsh (multi-node launch over ssh),
 # SLURM + munge (sbatch/srun launch), OpenMPI (mpirun launch, mpi4py build), bubblewrap and
 # Debian's python3 (the code-reward sandbox runs /usr/bin/python3). Idempotent; needs root (or
-# sudo). Real jobs need only what their launcher uses: see README "Launching on a cluster".
+# sudo). Real jobs need only what their launcher uses: see docs/cluster-launching.md.
 set -euo pipefail
 PACKAGES=(openssh-server openssh-client pdsh slurm-wlm munge openmpi-bin libopenmpi-dev bubblewrap procps python3)
 missing=()

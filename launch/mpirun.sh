@@ -3,7 +3,7 @@
 # address through mpi4py (DeepSpeed's MPI discovery in deepspeed.init_distributed), then
 # builds the usual torch.distributed group on MASTER_PORT.
 #
-#   HOSTFILE=hostfiles/4x8 CONFIG=configs/qwen2.5_72b_4x8.yaml bash launch/mpirun.sh [key.sub=value ...]
+#   HOSTFILE=hostfiles/4x8 CONFIG=configs/qwen2.5_32b_4x8.yaml bash launch/mpirun.sh [key.sub=value ...]
 #   DRY_RUN=1 HOSTFILE=... bash launch/mpirun.sh ...   # world size, layout, the command; start nothing
 #
 # Needs OpenMPI (`mpirun`) on every node, mpi4py in the venv (`pip install -e ".[mpi]"`),

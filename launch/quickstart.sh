@@ -25,7 +25,7 @@ if [ ! -f "$RUN_DIR/warm/config.json" ]; then
 fi
 
 echo "== 3/3 GRPO: deepspeed --num_gpus $NUM_RANKS (CPU ranks), ZeRO-3, vLLM co-located"
-rm -rf "$RUN_DIR/grpo"  # the quickstart starts over each time (real runs resume: see README)
+rm -rf "$RUN_DIR/grpo"  # the quickstart starts over each time (real runs resume: see docs/outputs-and-checkpoints.md)
 START=$(date +%s)
 deepspeed --num_gpus "$NUM_RANKS" --master_port "$MASTER_PORT" --module megagrpo.train \
   --config configs/tiny_arith.yaml \

@@ -2,7 +2,7 @@
 # Multi-node GRPO through the DeepSpeed launcher: `deepspeed --hostfile` over pdsh (ssh to every
 # host; the default) or OpenMPI (LAUNCHER=openmpi: the runner calls mpirun).
 #
-#   HOSTFILE=hostfiles/4x8 CONFIG=configs/qwen2.5_72b_4x8.yaml bash launch/train.sh [key.sub=value ...]
+#   HOSTFILE=hostfiles/4x8 CONFIG=configs/qwen2.5_32b_4x8.yaml bash launch/train.sh [key.sub=value ...]
 #   DRY_RUN=1 HOSTFILE=... bash launch/train.sh ...   # world size, layout, the command; start nothing
 #
 # Every setting below can be set in the environment instead of edited here. Before any rank
