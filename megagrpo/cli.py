@@ -24,7 +24,7 @@ commands:
 """
 
 
-def validate(argv) -> int:
+def validate_command(argv) -> int:
     from megagrpo.config.loading import load_config, to_dict
     from megagrpo.config.schema import ConfigError
 
@@ -43,7 +43,7 @@ def validate(argv) -> int:
     return 0
 
 
-def plan(argv) -> int:
+def plan_command(argv) -> int:
     import os
 
     from megagrpo.cluster.plan import format_plan, make_plan
@@ -92,27 +92,34 @@ def config_reference(argv) -> int:
     return 0
 
 
+def _train():
+    from megagrpo.train import main
+    return main
+
+
+def _evaluate():
+    from megagrpo.evaluation import main
+    return main
+
+
+def _convert():
+    from megagrpo.checkpoints.convert import main
+    return main
+
+
+# command -> a function returning its main(argv) (heavy modules are imported only when used)
+COMMANDS = {"train": _train, "validate": lambda: validate_command, "plan": lambda: plan_command,
+            "config": lambda: config_reference, "eval": _evaluate, "convert": _convert}
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "train":
-        from megagrpo.train import main as train_main
-        return train_main(rest)
-    if command == "validate":
-        return validate(rest)
-    if command == "plan":
-        return plan(rest)
-    if command == "config":
-        return config_reference(rest)
-    if command == "eval":
-        from megagrpo.evaluation import main as eval_main
-        return eval_main(rest)
-    if command == "convert":
-        from megagrpo.checkpoints.convert import main as convert_main
-        return convert_main(rest)
+    if command in COMMANDS:
+        return COMMANDS[command]()(rest)
     print(f"megagrpo: unknown command '{command}'\n{USAGE}", file=sys.stderr)
     return 2
 

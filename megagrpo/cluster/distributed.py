@@ -10,6 +10,7 @@ the small collectives the trainer uses (all_reduce, all_gather_1d).
 - Torch's default build folder (~/.cache/torch_extensions) is shared by all of a user's venvs,
   so jobs of two venvs rebuild the op under each other; it is kept inside the venv instead.
 - That op's /dev/shm buffers are never unlinked: each run would leak ~70 MB of RAM per rank.
+These and the other upstream limits megagrpo works around: docs/upstream-issues.md.
 """
 from __future__ import annotations
 

@@ -145,7 +145,7 @@ def _clip_gradients_over_stages(engine, pipe_group) -> None:
     out of the norm that scales every stage. Here each stage adds its squared norms (a tied
     copy once: DeepSpeed marks the later copies ds_pipe_replicated), the pipeline sums them,
     every stage clips by the same factor, and the norm is kept for get_global_grad_norm().
-    (ZeRO-1 and bf16 compute the norm in their optimizers, correctly.)"""
+    (ZeRO-1 and bf16 compute the norm in their optimizers, correctly; docs/upstream-issues.md.)"""
 
     def clip():
         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]

@@ -34,8 +34,9 @@ class RewardModel:
         dtype = torch.float32
         ds_config, stage = None, 0
         if config is not None:
+            from megagrpo.config.deepspeed_json import zero_stage
             from megagrpo.dtypes import DTYPES
-            from megagrpo.engines.models import deepspeed_config, zero_stage
+            from megagrpo.engines.models import deepspeed_config
             dtype = DTYPES[config.model.dtype]
             ds_config = deepspeed_config(config)
             stage = zero_stage(ds_config)

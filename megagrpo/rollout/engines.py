@@ -117,7 +117,7 @@ class _ExpectedReloadWarnings(logging.Filter):
     - ParallelLMHead of a model with tied embeddings: the stream sends the shared weight once,
       as the embedding (vLLM skips lm_head.weight of tied models anyway); the head is then
       re-derived from the new embedding by _refresh_tied_lm_head. tests/test_swap.py shows the
-      engine's log-probs after a sync equal the trainer's."""
+      engine's log-probs after a sync equal the trainer's. (docs/upstream-issues.md)"""
 
     def __init__(self, tied_embeddings: bool):
         super().__init__()
@@ -131,7 +131,7 @@ class _ExpectedReloadWarnings(logging.Filter):
 def _refresh_tied_lm_head(worker) -> None:
     """With tied embeddings the checkpoint has no lm_head weight, so vLLM's in-place reload
     puts the head's old kernel-format copy back (on CPU a prepacked GEMM weight; vllm 0.32).
-    Re-derive it from the freshly loaded, shared embedding."""
+    Re-derive it from the freshly loaded, shared embedding (docs/upstream-issues.md)."""
     model = worker.model_runner.get_model()
     head = getattr(model, "lm_head", None)
     if getattr(model.config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
