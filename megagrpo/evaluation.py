@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     from megagrpo.config.schema import ConfigError
     from megagrpo.data import DataError, load_prompts
     from megagrpo.engines.models import load_tokenizer
-    from megagrpo.metrics import MetricsLogger
+    from megagrpo.metrics import MetricsLogger, quiet_library_output
     from megagrpo.rewards import RewardError, build_reward_functions, close_reward_functions
     from megagrpo.rollout.engines import build_rollout_engine
 
@@ -226,6 +226,7 @@ def main(argv=None) -> int:
         print(f"megagrpo: config error: {e}", file=sys.stderr)
         return 2
     output = args.output or os.path.join(args.model, "eval")
+    quiet_library_output()
     topology = init_distributed()
     try:
         tokenizer = load_tokenizer(cfg.model.name_or_path)

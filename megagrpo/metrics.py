@@ -1,7 +1,9 @@
-"""Metrics: TensorBoard scalars and sample text on the main rank, and the progress bar."""
+"""Metrics and console output: TensorBoard scalars and sample text on the main rank, the progress
+bar, and the libraries' console noise kept down."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -60,6 +62,16 @@ def samples_markdown(prompt, texts: list[str], rewards: list[float]) -> str:
     """A prompt and its completions with their rewards, as a TensorBoard text table."""
     rows = "\n".join(f"| {r:.3f} | {t[:300]!r} |".replace("\n", " ") for t, r in zip(texts, rewards))
     return f"**prompt:** {str(prompt)[:300]!r}\n\n| reward | completion |\n|---|---|\n{rows}"
+
+
+def quiet_library_output() -> None:
+    """A run's console shows megagrpo's lines, the progress bar and real warnings. vLLM logs
+    INFO lines on every step and rank (prefix-cache resets, reload timings): its level is
+    WARNING unless VLLM_LOGGING_LEVEL says otherwise. DeepSpeed and vLLM call collectives
+    that torch marks deprecated (FutureWarning on every first use per rank): nothing a user
+    can act on, so those are not shown."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
 def progress_bar(total: int, initial: int, enabled: bool):

@@ -30,7 +30,7 @@ from megagrpo.config.schema import Config, ConfigError
 from megagrpo.data import DataError, Prompt, PromptSampler, load_prompts
 from megagrpo.engines import build_engine
 from megagrpo.engines.models import load_tokenizer
-from megagrpo.metrics import MetricsLogger, progress_bar, rollout_metrics, samples_markdown
+from megagrpo.metrics import MetricsLogger, progress_bar, quiet_library_output, rollout_metrics, samples_markdown
 from megagrpo.rewards import (
     RewardError,
     build_reward_functions,
@@ -276,6 +276,7 @@ def main(argv=None) -> int:
             from megagrpo.cluster.plan import format_plan, make_plan
             print(format_plan(make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))))
         return 0
+    quiet_library_output()
     topology = init_distributed(args.timeout_minutes, cfg.parallel.tensor_parallel_size,
                                 cfg.parallel.pipeline_parallel_size)
     try:
