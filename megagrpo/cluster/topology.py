@@ -48,7 +48,7 @@ class Topology:
         """Collective: create the dp and model process groups (every rank creates every group,
         in the same order, as torch.distributed requires) and return a copy that holds them."""
         dp_group = model_group = None
-        if self.dp_size not in (1, self.world_size):
+        if self.dp_size < self.world_size:  # (with dp 1: a group of one, so gathers stay local)
             for first in range(self.world_size):
                 ranks = self.dp_ranks(first)
                 if ranks[0] == first:
