@@ -196,9 +196,9 @@ class Trainer:
         return total, per_function, details
 
     def sync_rollout_weights(self) -> float:
-        """Stream the policy's weights into the rollout engine of each sampling rank; returns
-        seconds taken."""
-        return sync_weights(self.engine.full_tensors(), self.rollout if self.topo.samples_rollout else None)
+        """Stream the policy's weights into the rollout engine of every rank that receives them
+        whole (all ranks, or a pipeline's first stage); returns seconds taken."""
+        return sync_weights(self.engine.full_tensors(), self.rollout if self.engine.holds_full_tensors else None)
 
     def _record_prompts(self, indices: list[int]) -> None:
         """Append this step's prompt indices (all dp ranks) to output_dir/prompts_seen.jsonl,
@@ -214,7 +214,7 @@ class Trainer:
         """This rank's share of the held-out prompts through the rollout engine, scored by the
         reward functions and the text metrics (see evaluation.py). Returns the global metrics."""
         indices = list(range(self.topo.dp_rank, len(self.eval_prompts), self.topo.dp_size))
-        # only a sampling rank's engine holds the trained weights
+        # only a sampling rank's engine is sure to hold the trained weights
         score = self.rollout.score if self.topo.samples_rollout else None
         records = evaluation.score_prompts(
             [self.eval_prompts[i] for i in indices], indices, self.generate, score, self.tokenizer,

@@ -94,11 +94,69 @@ def pytest_runtest_logreport(report):
               flush=True)
 
 
+def work_tree_status() -> tuple[set[str] | None, str]:
+    """The lines of `git status --porcelain --untracked-files=all` for the repository (paths
+    that .gitignore names, such as runs/, .venv/, __pycache__/ and bench/results/, are not
+    listed), or None and why git could not tell."""
+    try:
+        proc = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    if proc.returncode != 0:
+        return None, proc.stderr.strip()
+    return set(proc.stdout.splitlines()), ""
+
+
+_STATUS_AT_START: list = []  # [(lines or None, why)] once the session has started
+
+
+def pytest_sessionstart(session):
+    """Note the work tree's state: the suite must not leave files in it (tests write under
+    tmp_path; see pytest_sessionfinish)."""
+    if not hasattr(session.config, "workerinput"):  # once, in the controlling process
+        _STATUS_AT_START.append(work_tree_status())
+
+
+def _check_work_tree(session) -> None:
+    """Fail the session if `git status` shows paths, untracked or modified, that it did not
+    show at the start: a test wrote into the repository instead of its tmp_path."""
+    if not _STATUS_AT_START:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = []
+
+    def say(line, **markup):
+        if reporter is None:
+            print(line, file=sys.stderr, flush=True)
+            return
+        if not lines:
+            reporter.line("")  # end the progress line
+        lines.append(line)
+        reporter.line(line, **markup)
+
+    (before, why), (after, why_after) = _STATUS_AT_START[0], work_tree_status()
+    if before is None or after is None:
+        say(f"tests/conftest.py: could not check that the tests left the work tree as they found it "
+            f"(git status failed: {why or why_after})", yellow=True)
+        return
+    new = sorted(after - before)
+    if new:
+        say(f"FAILED: the tests left {len(new)} new or modified path(s) in the work tree {ROOT} "
+            "(tests must write under tmp_path):", red=True, bold=True)
+        for line in new:
+            say(f"    {line}", red=True)
+        if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Remove DeepSpeed shm all-reduce files left by ranks killed before they unlinked them
-    (only old ones: a job starting elsewhere needs its files until all its ranks have mapped them)."""
+    """Fail the session if the tests left files in the work tree; remove DeepSpeed shm
+    all-reduce files left by ranks killed before they unlinked them (only old ones: a job
+    starting elsewhere needs its files until all its ranks have mapped them)."""
     import re
 
+    _check_work_tree(session)
     shm = "/dev/shm"
     if os.path.isdir(shm):
         for name in os.listdir(shm):

@@ -2,9 +2,12 @@
 import dataclasses
 import json
 import os
+import re
 
-from megagrpo import config as config_module
 from conftest import BIN, ROOT, free_port, run, tiny_overrides, write_jsonl
+
+from megagrpo.config import schema as config_module
+from megagrpo.rewards import answer_match
 
 
 def test_console_script_validate_and_help(tiny, tmp_path):
@@ -28,19 +31,31 @@ def test_torchrun_two_ranks(tiny, tmp_path):
                 "checkpoint.save_hf_at_end=false", f"data.eval_file={one}"])
     assert "world 2 = dp 2" in proc.stdout and "done: 2 steps" in proc.stdout
     assert (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
+    # the one held-out prompt is evaluated once (rank 0's share, greedy) before and after
+    # training; each reward reported is the answer_match of that one completion, computed here
+    # again from the samples file, with nothing from rank 1's empty share in the mean
     results = json.load(open(out / "eval_results.json"))
-    assert results["before"]["reward"] in (0.0, 1.0) and results["after"]["reward"] in (0.0, 1.0)
+    history = [json.loads(line) for line in open(out / "eval_history.jsonl")]
+    assert [h["step"] for h in history] == [0, 2]
+    for key, step, logged in zip(("before", "after"), (0, 2), history):
+        records = [json.loads(line) for line in open(out / "eval_samples" / f"step_{step:08d}.jsonl")]
+        assert len(records) == 1 and len(records[0]["completions"]) == 1, records
+        expected = answer_match(["What is 2 + 2?"], records[0]["completions"], answer=["4"])[0]
+        assert records[0]["reward"] == [expected], records
+        assert results[key]["reward"] == logged["reward"] == expected, (key, results, records)
 
 
-def test_readme_documents_every_config_key():
-    readme = open(os.path.join(ROOT, "README.md")).read()
+def test_docs_document_every_config_key():
+    """Every key has a row on the configuration page (docs/configuration.md; README links it)."""
+    page = open(os.path.join(ROOT, "docs", "configuration.md")).read()
+    assert "docs/configuration.md" in open(os.path.join(ROOT, "README.md")).read()
     for section in (config_module.ModelConfig, config_module.DataConfig, config_module.GRPOConfig,
                     config_module.ParallelConfig,
                     config_module.RolloutConfig, config_module.CheckpointConfig,
                     config_module.LoggingConfig, config_module.RewardFunctionConfig,
                     config_module.RewardsConfig, config_module.Config):
         for f in dataclasses.fields(section):
-            assert f"| `{f.name}` |" in readme or f.name in ("model", "data", "grpo", "rollout", "parallel",
-                                                             "rewards", "checkpoint", "logging"), f.name
+            assert re.search(rf"\| `(\w+\.)?{f.name}` \|", page) or f.name in (
+                "model", "data", "grpo", "rollout", "parallel", "rewards", "checkpoint", "logging"), f.name
     for alias in config_module.ALIASES:
-        assert f"`{alias}`" in readme, alias
+        assert f"`{alias}`" in page, alias

@@ -2,9 +2,10 @@
 import sys
 
 import pytest
-
-from megagrpo.config import ConfigError, load_config
 from conftest import ROOT, run, tiny_overrides
+
+from megagrpo.config.loading import load_config
+from megagrpo.config.schema import ConfigError
 
 
 def test_seed_names_and_overrides(tiny, tmp_path):
@@ -17,7 +18,8 @@ def test_seed_names_and_overrides(tiny, tmp_path):
 
 
 def test_unknown_key_suggests(tiny, tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown config key 'grpo.num_generation' \(did you mean 'num_generations'\?\)"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown config key 'grpo.num_generation' \(did you mean 'num_generations'\?\)"):
         load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + ["grpo.num_generation=4"])
     with pytest.raises(ConfigError, match=r"unknown config key 'rolout' \(did you mean 'rollout'\?\)"):
         load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + ["rolout.temperature=1"])

@@ -1,9 +1,9 @@
 """Data: loading errors that name the file and line, rendering, the distributed sampler."""
 import pytest
+from conftest import write_jsonl
 
 from megagrpo.data import DataError, PromptSampler, load_prompts
 from megagrpo.engines.models import load_tokenizer
-from conftest import write_jsonl
 
 
 @pytest.fixture(scope="module")

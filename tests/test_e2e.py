@@ -1,13 +1,13 @@
 """End to end through the real launcher: 2 ranks, ZeRO-3, vLLM co-located, TensorBoard, resume."""
 import json
 import os
+import shutil
 import sys
 import threading
 import time
 
+from conftest import BIN, ROOT, free_port, run, tiny_overrides, write_jsonl
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-from conftest import BIN, free_port, run, tiny_overrides, write_jsonl
 
 EXPECTED_METRICS = [
     "reward", "reward_std", "reward_min", "reward_max", "rewards/answer_match/mean",
@@ -106,7 +106,7 @@ def test_reward_that_raises_stops_the_run(tiny, tmp_path):
     proc = run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, out), "rollout.engine=hf", "grpo.max_steps=2",
                 "rewards.functions=[{name: 'test_rewards:raising_reward'}]"],
-               check=False, env={"PYTHONPATH": f"{os.path.dirname(__file__)}:{os.getcwd()}"})
+               check=False, env={"PYTHONPATH": f"{os.path.dirname(__file__)}:{ROOT}"})
     assert proc.returncode == 1
     assert "reward function 'test_rewards:raising_reward' raised KeyError" in proc.stderr
 
@@ -119,22 +119,56 @@ def test_malformed_data_stops_before_training(tiny, tmp_path):
     assert f"{bad}:2: malformed JSON" in proc.stderr
 
 
-def test_stale_deepspeed_build_lock_is_removed_not_waited_on(tiny, tmp_path):
+def test_stale_deepspeed_build_lock_is_removed_not_waited_on(tiny, tmp_path, monkeypatch, capsys):
     """A process killed while loading DeepSpeed's CPU op leaves torch's build lock behind; the
-    next job removes an old one (naming it) instead of waiting forever, and waits on a young one."""
+    next job removes an old one (naming it) instead of waiting forever, and waits on a young one.
+    The locks go into a build folder of this test's own (TORCH_EXTENSIONS_DIR, restored by
+    monkeypatch whatever happens): one left in the venv's folder would hang every later job."""
     from torch.utils.cpp_extension import _get_build_directory
 
     from megagrpo.cluster.distributed import SHM_OP, clear_stale_build_lock, use_venv_extensions_dir
 
-    use_venv_extensions_dir()  # as the trainer does: the venv's own build folder
-    assert os.environ["TORCH_EXTENSIONS_DIR"].startswith(sys.prefix)
+    # as the trainer does without TORCH_EXTENSIONS_DIR: the venv's own build folder. (Set, then
+    # deleted: monkeypatch records nothing for deleting an unset variable, and would then leave
+    # the value use_venv_extensions_dir sets behind.)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    use_venv_extensions_dir()
+    venv_folder = os.path.join(sys.prefix, "torch_extensions")
+    assert os.environ.get("TORCH_EXTENSIONS_DIR") == (venv_folder if os.access(sys.prefix, os.W_OK) else None)
+    # a folder that is set is kept: here, this test's, with a copy of the venv's build of the op
+    # (when there is one), which the trainer below loads without compiling it when it is current
+    extensions = tmp_path / "torch_extensions"
+    if os.path.isdir(os.path.join(venv_folder, SHM_OP)):
+        shutil.copytree(os.path.join(venv_folder, SHM_OP), extensions / SHM_OP,
+                        ignore=shutil.ignore_patterns("lock"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
+    use_venv_extensions_dir()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(extensions)
     lock = os.path.join(_get_build_directory(SHM_OP, verbose=False), "lock")
-    open(lock, "w").close()  # young: waited on while its builder works, here for 1 s
-    threading.Timer(1.0, os.unlink, [lock]).start()
-    start = time.time()
-    assert not clear_stale_build_lock(SHM_OP) and 0.9 < time.time() - start < 5
+    assert lock == str(extensions / SHM_OP / "lock")
+
+    # young: waited on while its builder works. Released here by a thread after 1 s (which
+    # notes it before unlinking): the call returns only after the release, and removes nothing.
+    open(lock, "w").close()
+    events = []
+    release = threading.Timer(1.0, lambda: (events.append("released"), os.unlink(lock)))
+    release.start()
+    try:
+        removed = clear_stale_build_lock(SHM_OP)
+        events.append("returned")
+    finally:
+        release.cancel()
+        release.join()
+    assert not removed and events == ["released", "returned"]
+    assert f"{lock} exists (" in capsys.readouterr().err  # it said what it waits for
+
     open(lock, "w").close()  # young, and nobody releases it: removed once it is max_age_s old
     assert clear_stale_build_lock(SHM_OP, max_age_s=2) and not os.path.exists(lock)
+    err = capsys.readouterr().err
+    assert "removed if still there at 2 s" in err and f"removed {lock}: a build lock left" in err
+    assert err.index("removed if still there") < err.index(f"removed {lock}")  # waited, then removed
+
     open(lock, "w").close()
     os.utime(lock, (time.time() - 3600, time.time() - 3600))
     bad = write_jsonl(tmp_path / "bad.jsonl", ["{oops"])

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megagrpo import grpo
+from megagrpo.algorithm import grpo
 
 
 def test_group_advantages_hand_computed():
@@ -110,7 +110,7 @@ def test_gradients_match_float64_reference():
 
 def test_lr_schedule_counts_optimizer_steps():
     """Warmup and cosine are sized in optimizer steps: num_iterations per training step."""
-    from megagrpo.config import Config
+    from megagrpo.config.schema import Config
     from megagrpo.engines.models import lr_lambda
     cfg = Config()
     cfg.grpo.lr_scheduler_type, cfg.grpo.warmup_steps, cfg.grpo.num_iterations = "cosine", 2, 2

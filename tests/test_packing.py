@@ -4,11 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megagrpo import grpo
-from megagrpo.rollout.batch import make_batch
+from megagrpo.algorithm import grpo
 from megagrpo.engines.logprobs import completion_logprobs, install_logprob_head
 from megagrpo.engines.packing import balanced_microbatches, pack
-from megagrpo.rollout.engines import Completion
+from megagrpo.rollout.batch import Completion, make_batch
 
 PATHS = [(True, True), (True, False), (False, True), (False, False)]  # (packing, fused)
 

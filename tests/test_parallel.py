@@ -8,11 +8,12 @@ import sys
 
 import pytest
 import torch
+from conftest import BIN, free_port, run, tiny_overrides
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megagrpo.config import ConfigError, load_config
-from conftest import BIN, free_port, run, tiny_overrides
+from megagrpo.config.loading import load_config
+from megagrpo.config.schema import ConfigError
 
 COMMON = ["data.eval_file=null", "grpo.max_steps=2", "grpo.learning_rate=1e-4",
           "logging.sample_steps=0", "checkpoint.save_steps=0"]

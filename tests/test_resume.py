@@ -11,9 +11,8 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import BIN, ROOT, free_port, run, tiny_overrides
+from safetensors.torch import load_file
 
 
 def _command(tiny, out, extra):
@@ -77,8 +76,9 @@ def test_crash_at_every_point_of_a_save_resumes_from_a_complete_checkpoint(tiny,
     """SIGKILL inside the save of steps 2, 3, 4 and 5 (one point of checkpoint.save each, by the
     MEGAGRPO_CRASH_AT fault hook: files written but unmarked, marked but not renamed, renamed
     but `latest` not updated, `latest` updated but older ones not pruned); each restart resumes
-    from a complete checkpoint and the run ends at step 6 with all its steps' prompts. Then a corrupt newest checkpoint (a truncated
-    DeepSpeed file, COMPLETE marker present) is reported and the previous one loaded."""
+    from a complete checkpoint and the run ends at step 6 with all its steps' prompts. Then a
+    corrupt newest checkpoint (a truncated DeepSpeed file, COMPLETE marker present) is reported
+    and the previous one loaded."""
     from megagrpo.checkpoints.checkpoint import CRASH_POINTS
 
     out = tmp_path / "run"

@@ -5,11 +5,16 @@ import math
 import pytest
 import torch
 
-from megagrpo.config import RewardFunctionConfig
-from megagrpo.rewards import (Scores, build_reward_functions, close_reward_functions,
-                              component_metrics, compute_rewards)
-from megagrpo.rewards.text import (customer_service, extract_keywords, friendliness,
-                                   math_accuracy, overlong_penalty, think_answer_format)
+from megagrpo.config.schema import RewardFunctionConfig
+from megagrpo.rewards import Scores, build_reward_functions, close_reward_functions, component_metrics, compute_rewards
+from megagrpo.rewards.text import (
+    customer_service,
+    extract_keywords,
+    friendliness,
+    math_accuracy,
+    overlong_penalty,
+    think_answer_format,
+)
 
 QUERY = "My internet connection keeps dropping every evening, can you fix the router?"
 NEUTRAL = "We will reset the router and check the connection tonight."  # 58 characters

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from megagrpo.config import RewardFunctionConfig
+from megagrpo.config.schema import RewardFunctionConfig
 from megagrpo.rewards import RewardError, build_reward_functions, compute_rewards
 
 

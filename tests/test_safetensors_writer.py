@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from megagrpo import safetensors_writer
+from megagrpo.checkpoints import safetensors_writer
 from megagrpo.checkpoints.safetensors_writer import write_safetensors
 
 

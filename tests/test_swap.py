@@ -6,8 +6,8 @@ import json
 import os
 
 import pytest
-
 from conftest import BIN, free_port, run, tiny_overrides
+from transformers import AutoTokenizer
 
 
 @pytest.mark.parametrize("engine,tp", [("vllm", 1), ("hf", 1), ("vllm", 2)])
@@ -17,12 +17,20 @@ def test_swap_after_step(tiny, tmp_path, engine, tp):
          "tests/helpers/swap_probe.py", "--config", "configs/tiny_arith.yaml",
          *tiny_overrides(tiny, out, **{"rollout.engine": engine, "grpo.learning_rate": 1e-3,
                                        "grpo.max_steps": 1, "parallel.tensor_parallel_size": tp})])
+    # The probe scores one fixed completion: the tokens of its text, then EOS (13 with the tiny
+    # tokenizer: 12 + 1). Each side gives one log-prob per completion token, so every list has
+    # exactly that length; a short list would otherwise hide behind zip().
+    tokenizer = AutoTokenizer.from_pretrained(tiny["warm"])
     for rank in (0, 1):
         r = json.load(open(os.path.join(out, f"swap_rank{rank}.json")))
-        n = len(r["trainer_after"])
-        assert n == 13 and r["grad_norm"] > 0
+        expected = tokenizer(r["completion_text"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        assert r["completion"] == expected, (rank, r)
+        n = len(expected)
+        assert n > 1 and r["grad_norm"] > 0
+        for key in ("engine_before", "trainer_before", "engine_after", "trainer_after"):
+            assert len(r[key]) == n, (rank, key, len(r[key]), n)
         for key in ("before", "after"):
-            for engine_lp, trainer_lp in zip(r[f"engine_{key}"], r[f"trainer_{key}"]):
+            for engine_lp, trainer_lp in zip(r[f"engine_{key}"], r[f"trainer_{key}"], strict=True):
                 assert abs(engine_lp - trainer_lp) < 1e-4, (rank, key, r)
-        moved = max(abs(a - b) for a, b in zip(r["engine_after"], r["engine_before"]))
+        moved = max(abs(a - b) for a, b in zip(r["engine_after"], r["engine_before"], strict=True))
         assert moved > 1e-3, f"the engine still scores with the pre-step weights: {r}"

@@ -10,6 +10,8 @@ from conftest import BIN, free_port, run
 def test_vocab_parallel_matches_gathered_reference(tmp_path):
     run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
          "tests/helpers/vocab_parallel_probe.py", str(tmp_path)])
+    # the launcher's --local_rank=N argument is not taken for the output folder (it once was)
+    assert sorted(os.listdir(tmp_path)) == ["vocab_parallel_rank0.json", "vocab_parallel_rank1.json"]
     for rank in (0, 1):
         results = json.load(open(os.path.join(tmp_path, f"vocab_parallel_rank{rank}.json")))
         assert len(results) == 3

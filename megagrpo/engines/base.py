@@ -48,8 +48,13 @@ class PolicyEngine:
         raise NotImplementedError
 
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, whole tensor) for every weight, on the rank that samples the rollout;
-        collective: every rank iterates to the end."""
+        """(HF name, whole tensor) for every weight, on the ranks where `holds_full_tensors`
+        (elsewhere nothing); collective: every rank iterates to the end."""
+        raise NotImplementedError
+
+    @property
+    def holds_full_tensors(self) -> bool:
+        """Whether full_tensors() yields the weights on this rank."""
         raise NotImplementedError
 
     # ---- shared -------------------------------------------------------------------------------

@@ -97,5 +97,7 @@ class DeepSpeedEngine(PolicyEngine):
         grads = [p.grad for p in self.policy.module.parameters() if p.grad is not None]
         return float(get_global_norm_of_tensors(grads, mpu=self.policy.mpu)) if grads else 0.0
 
+    holds_full_tensors = True  # ZeRO-3 partitions and AutoTP shards are gathered on every rank
+
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return named_full_tensors(self.policy.module, self.cfg.rollout.sync_bucket_mb)

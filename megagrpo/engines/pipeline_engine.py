@@ -73,6 +73,10 @@ class PipelineEngine(PolicyEngine):
         # only the last stage holds the loss: its sum runs over every rank
         return self.step_metrics(stats, None, self.policy.get_global_grad_norm())
 
+    @property
+    def holds_full_tensors(self) -> bool:
+        return self.topo.pp_rank == 0  # the stages stream their layers to the first one
+
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return gather_to_first_stage(self.policy.module, self.topo.model_group, self.topo.model_ranks())
 

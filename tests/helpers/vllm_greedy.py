@@ -1,15 +1,17 @@
 """Greedy tokens from vLLM (CPU, in-process) for a model folder: `python vllm_greedy.py DIR`.
 Prints one JSON line: {"prompt": [...], "tokens": [...]}."""
+import argparse
 import json
 import os
-import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from transformers import AutoTokenizer  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
-path = sys.argv[1]
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("model", help="a Hugging Face model folder")
+path = parser.parse_args().model
 tokenizer = AutoTokenizer.from_pretrained(path)
 text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}],
                                      tokenize=False, add_generation_prompt=True)

@@ -1,20 +1,32 @@
 """Probe for test_vocab_parallel.py: each rank holds a vocabulary shard of the LM head; the
 vocab-parallel fused log-probs, entropy and gradients are compared with the full-vocabulary
-computation that every rank also runs locally. Writes vocab_parallel_rank<r>.json to the folder given."""
+computation that every rank also runs locally. Writes vocab_parallel_rank<r>.json to the folder given.
+
+    deepspeed --num_gpus 2 tests/helpers/vocab_parallel_probe.py OUT_DIR
+"""
+import argparse
 import json
 import os
-import sys
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
-from megagrpo.engines.fused_logprobs import fused_token_logprobs, naive_token_logprobs
 from megagrpo.cluster.distributed import release_shm_allreduce_name
+from megagrpo.engines.fused_logprobs import fused_token_logprobs, naive_token_logprobs
+
+
+def parse_args(argv=None):
+    """The output folder; the deepspeed launcher adds --local_rank=N (--local-rank=N in some
+    versions) before it, which is accepted and unused (the rank comes from the environment)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir", help="folder for vocab_parallel_rank<r>.json")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
 
 
 def main():
-    out_dir = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]
+    out_dir = parse_args().out_dir
     deepspeed.init_distributed()
     release_shm_allreduce_name()
     rank, world = dist.get_rank(), dist.get_world_size()
