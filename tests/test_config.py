@@ -8,7 +8,7 @@ from megagrpo.config.loading import load_config
 from megagrpo.config.schema import ConfigError
 
 
-def test_seed_names_and_overrides(tiny, tmp_path):
+def test_trl_names_and_overrides(tiny, tmp_path):
     cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
         "num_generations=4", "kl_coef=0.3", "use_vllm=false", "grpo.learning_rate=3e-4",
         "report_to=none", "rollout.stop=['###']"])
@@ -23,6 +23,20 @@ def test_unknown_key_suggests(tiny, tmp_path):
         load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + ["grpo.num_generation=4"])
     with pytest.raises(ConfigError, match=r"unknown config key 'rolout' \(did you mean 'rollout'\?\)"):
         load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + ["rolout.temperature=1"])
+
+
+def test_lists_of_sections_and_their_shorthand(tiny, tmp_path):
+    base = tiny_overrides(tiny, tmp_path)
+    cfg = load_config("configs/tiny_arith.yaml", base + [
+        "rewards.functions=[answer_match, {name: format, weight: 0.5}]"])
+    assert [(f.name, f.weight) for f in cfg.rewards.functions] == [("answer_match", 1.0), ("format", 0.5)]
+    with pytest.raises(ConfigError, match=r"rewards.functions\[1\].weight: expected a number, got 'x'"):
+        load_config("configs/tiny_arith.yaml", base + ["rewards.functions=[answer_match, {name: format, weight: x}]"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'rewards.functions\[0\].wieght'"):
+        load_config("configs/tiny_arith.yaml", base + ["rewards.functions=[{name: format, wieght: 1}]"])
+    # the shorthand is for list entries only: a section given as a bare value is an error
+    with pytest.raises(ConfigError, match=r"model: expected a mapping of keys, got 'runs/x'"):
+        load_config("configs/tiny_arith.yaml", base + ["model=runs/x"])
 
 
 def test_batch_not_divisible_by_num_generations(tiny, tmp_path):

@@ -95,13 +95,13 @@ def check_layout(cfg: Config) -> None:
     if pp > 1:
         stage = zero_stage(cfg.deepspeed)
         require(stage <= 1, f"parallel.pipeline_parallel_size={pp} with ZeRO stage {stage}: DeepSpeed "
-                 "runs pipelines with ZeRO stage 0 or 1 only; use configs/ds_zero0.json or a "
-                 "stage-1 config, or pipeline_parallel_size=1")
+                "runs pipelines with ZeRO stage 0 or 1 only; use configs/ds_zero0.json or a "
+                "stage-1 config, or pipeline_parallel_size=1")
     world = os.environ.get("WORLD_SIZE")
     if world is not None:
         require(int(world) % (tp * pp) == 0,
-                 f"world size {world} is not divisible by tensor_parallel_size x "
-                 f"pipeline_parallel_size = {tp} x {pp}; launch a multiple of {tp * pp} ranks")
+                f"world size {world} is not divisible by tensor_parallel_size x "
+                f"pipeline_parallel_size = {tp} x {pp}; launch a multiple of {tp * pp} ranks")
     model_config = os.path.join(cfg.model.name_or_path, "config.json")
     if (tp > 1 or pp > 1) and os.path.isfile(model_config):
         with open(model_config) as f:
@@ -110,23 +110,23 @@ def check_layout(cfg: Config) -> None:
         kv_heads = model.get("num_key_value_heads", heads)
         for name, count in (("attention heads", heads), ("key-value heads", kv_heads)):
             require(count is None or count % tp == 0,
-                     f"parallel.tensor_parallel_size={tp} does not divide the model's {count} "
-                     f"{name}; use a divisor of {count}")
+                    f"parallel.tensor_parallel_size={tp} does not divide the model's {count} "
+                    f"{name}; use a divisor of {count}")
         require(pp == 1 or model.get("model_type") in PIPELINE_ARCHITECTURES,
-                 f"parallel.pipeline_parallel_size={pp}: no pipeline layer map for model_type "
-                 f"'{model.get('model_type')}' (supported: {', '.join(PIPELINE_ARCHITECTURES)})")
+                f"parallel.pipeline_parallel_size={pp}: no pipeline layer map for model_type "
+                f"'{model.get('model_type')}' (supported: {', '.join(PIPELINE_ARCHITECTURES)})")
         layers = model.get("num_hidden_layers", pp)
         require(layers >= pp, f"parallel.pipeline_parallel_size={pp} exceeds the model's "
-                 f"{layers} layers")
+                f"{layers} layers")
     if pp > 1:
         require(tp == 1, f"parallel.pipeline_parallel_size={pp} with tensor_parallel_size={tp}: "
-                 "tensor and pipeline parallelism together are not in this version; use one of them "
-                 "(with data parallelism)")
+                "tensor and pipeline parallelism together are not in this version; use one of them "
+                "(with data parallelism)")
         require(cfg.grpo.packing, f"parallel.pipeline_parallel_size={pp} needs grpo.packing=true "
-                 "(the stages pass packed rows, not padded ones)")
+                "(the stages pass packed rows, not padded ones)")
         require(not cfg.model.gradient_checkpointing, f"parallel.pipeline_parallel_size={pp} with "
-                 "model.gradient_checkpointing=true is not in this version: a stage holds only its "
-                 "own layers' activations; set model.gradient_checkpointing=false")
+                "model.gradient_checkpointing=true is not in this version: a stage holds only its "
+                "own layers' activations; set model.gradient_checkpointing=false")
 
 
 def _gib(n: int) -> str:

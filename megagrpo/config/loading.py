@@ -98,17 +98,23 @@ def _check_type(path: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"{path}: expected a string, got {value!r}")
         return str(value)
     if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):  # a bare value fills the first field: [answer_match]
-            value = {dataclasses.fields(hint)[0].name: value}
         return _build(hint, value, path)
     if hint in (list, dict) or origin in (list, dict):
         base = origin or hint
         if not isinstance(value, base):
             raise ConfigError(f"{path}: expected a {base.__name__}, got {value!r}")
         if base is list and args:
-            return [_check_type(f"{path}[{i}]", item, args[0]) for i, item in enumerate(value)]
+            return [_check_type(f"{path}[{i}]", _shorthand(item, args[0]), args[0]) for i, item in enumerate(value)]
         return value
     raise ConfigError(f"{path}: unsupported type {hint}")
+
+
+def _shorthand(item: Any, hint: Any) -> Any:
+    """In a list of dataclasses a bare value names the first field: `[answer_match]` is
+    `[{name: answer_match}]`."""
+    if dataclasses.is_dataclass(hint) and not isinstance(item, dict):
+        return {dataclasses.fields(hint)[0].name: item}
+    return item
 
 
 def _build(cls, raw: Any, path: str):

@@ -16,14 +16,14 @@ def validate(cfg: Config, training: bool = True) -> None:
     The layout rules are checked by cluster/plan.py, reward names by the reward registry."""
     g = cfg.grpo
     require(bool(cfg.model.name_or_path),
-             "model.name_or_path is empty: set it to an HF model folder, e.g. "
-             "model.name_or_path=runs/tiny/model")
+            "model.name_or_path is empty: set it to an HF model folder, e.g. "
+            "model.name_or_path=runs/tiny/model")
     if _looks_local(cfg.model.name_or_path):
         require(os.path.isfile(os.path.join(cfg.model.name_or_path, "config.json")),
-                 f"model.name_or_path: '{cfg.model.name_or_path}' has no config.json; build the "
-                 "tiny model with `python tools/make_tiny_model.py` or point it at an HF folder")
+                f"model.name_or_path: '{cfg.model.name_or_path}' has no config.json; build the "
+                "tiny model with `python tools/make_tiny_model.py` or point it at an HF folder")
     require(bool(cfg.data.train_file), "data.train_file is empty: set it to a JSONL/JSON/"
-             "Parquet/CSV file or a hub dataset name")
+            "Parquet/CSV file or a hub dataset name")
     for key in ("train_file", "eval_file"):
         value = getattr(cfg.data, key)
         if value and _looks_local(value):
@@ -44,19 +44,19 @@ def validate(cfg: Config, training: bool = True) -> None:
     require(g.kl_coef >= 0, f"grpo.kl_coef: {g.kl_coef} must be >= 0 (0 disables the KL term)")
     require(0 < g.epsilon < 1, f"grpo.epsilon: {g.epsilon} must be in (0, 1), e.g. 0.2")
     require(g.epsilon_high is None or g.epsilon_high > 0,
-             f"grpo.epsilon_high: {g.epsilon_high} must be > 0, e.g. 0.28")
+            f"grpo.epsilon_high: {g.epsilon_high} must be > 0, e.g. 0.28")
     require(g.importance_sampling_cap >= 1,
-             f"grpo.importance_sampling_cap: {g.importance_sampling_cap} must be >= 1")
+            f"grpo.importance_sampling_cap: {g.importance_sampling_cap} must be >= 1")
     require(cfg.rollout.temperature > 0,
-             f"rollout.temperature: {cfg.rollout.temperature} must be > 0 for sampling")
+            f"rollout.temperature: {cfg.rollout.temperature} must be > 0 for sampling")
     require(0 < cfg.rollout.top_p <= 1, f"rollout.top_p: {cfg.rollout.top_p} must be in (0, 1]")
     require(0 < cfg.rollout.gpu_memory_utilization < 1,
-             f"rollout.gpu_memory_utilization: {cfg.rollout.gpu_memory_utilization} must be in "
-             "(0, 1), e.g. 0.3 (on CPU rollout.cpu_kv_cache_gb sizes the KV cache instead)")
+            f"rollout.gpu_memory_utilization: {cfg.rollout.gpu_memory_utilization} must be in "
+            "(0, 1), e.g. 0.3 (on CPU rollout.cpu_kv_cache_gb sizes the KV cache instead)")
     require(cfg.rollout.cpu_kv_cache_gb > 0,
-             f"rollout.cpu_kv_cache_gb: {cfg.rollout.cpu_kv_cache_gb} must be > 0, e.g. 0.25")
+            f"rollout.cpu_kv_cache_gb: {cfg.rollout.cpu_kv_cache_gb} must be > 0, e.g. 0.25")
     require(g.max_steps == -1 or g.max_steps >= 1,
-             f"grpo.max_steps: {g.max_steps} must be -1 (use num_train_epochs) or >= 1")
+            f"grpo.max_steps: {g.max_steps} must be -1 (use num_train_epochs) or >= 1")
     require(g.num_train_epochs > 0, f"grpo.num_train_epochs: {g.num_train_epochs} must be > 0")
     for key in ("checkpoint.save_steps", "logging.sample_steps", "logging.eval_steps"):
         section, name = key.split(".")
@@ -64,17 +64,17 @@ def validate(cfg: Config, training: bool = True) -> None:
         require(value >= 0, f"{key}: {value} must be >= 0 (0 turns it off)")
     max_len = cfg.rollout.max_model_len
     require(max_len is None or max_len >= cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-             f"rollout.max_model_len: {max_len} is shorter than data.max_prompt_length + "
-             f"rollout.max_new_tokens = {cfg.data.max_prompt_length + cfg.rollout.max_new_tokens}")
+            f"rollout.max_model_len: {max_len} is shorter than data.max_prompt_length + "
+            f"rollout.max_new_tokens = {cfg.data.max_prompt_length + cfg.rollout.max_new_tokens}")
     per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
     require(per_rank % g.num_generations == 0,
-             f"grpo.per_device_train_batch_size x grpo.gradient_accumulation_steps = {per_rank} "
-             f"completions per rank per step is not divisible by grpo.num_generations = "
-             f"{g.num_generations}: whole groups must stay on one rank; use a multiple of "
-             f"{g.num_generations}")
+            f"grpo.per_device_train_batch_size x grpo.gradient_accumulation_steps = {per_rank} "
+            f"completions per rank per step is not divisible by grpo.num_generations = "
+            f"{g.num_generations}: whole groups must stay on one rank; use a multiple of "
+            f"{g.num_generations}")
     require(len(cfg.rewards.functions) > 0 or not training,
-             "rewards.functions is empty: add at least one, e.g. "
-             "[{name: answer_match, weight: 1.0}]")
+            "rewards.functions is empty: add at least one, e.g. "
+            "[{name: answer_match, weight: 1.0}]")
     check_reward_names(cfg.rewards.functions)
     if isinstance(cfg.deepspeed, str):
         require(os.path.isfile(cfg.deepspeed),
@@ -90,8 +90,8 @@ def validate(cfg: Config, training: bool = True) -> None:
                  f"deepspeed: expected a path or a mapping, got {cfg.deepspeed!r}")
     check_layout(cfg)
     require(cfg.checkpoint.resume in ("auto", "none") or os.path.isdir(cfg.checkpoint.resume),
-             f"checkpoint.resume: '{cfg.checkpoint.resume}' is not auto, none or an existing "
-             "checkpoint folder")
+            f"checkpoint.resume: '{cfg.checkpoint.resume}' is not auto, none or an existing "
+            "checkpoint folder")
 
 
 def _looks_local(path: str) -> bool:
