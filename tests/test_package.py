@@ -101,3 +101,12 @@ def test_ruff_is_clean():
     ruff = shutil.which("ruff") or str(pathlib.Path(sys.executable).parent / "ruff")
     proc = subprocess.run([ruff, "check", str(ROOT)], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_readme_is_a_front_door_to_every_docs_page():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 160
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    assert len(pages) >= 10
+    missing = [name for name in pages if f"](docs/{name})" not in readme]
+    assert not missing, f"docs pages not linked from README.md: {missing}"
