@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import BIN, free_port, run, tiny_overrides
+from conftest import BIN, PYTHON, free_port, run, tiny_overrides
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -115,8 +115,8 @@ def test_refused_layouts(tiny, tmp_path, monkeypatch):
         load_config("configs/tiny_arith.yaml", pipeline + ["parallel.tensor_parallel_size=2"])
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 needs grpo.packing=true"):
         load_config("configs/tiny_arith.yaml", pipeline + ["grpo.packing=false"])
-    with pytest.raises(ConfigError, match=r"model.gradient_checkpointing=true is not in this version"):
-        load_config("configs/tiny_arith.yaml", pipeline + ["model.gradient_checkpointing=true"])
+    checkpointed = load_config("configs/tiny_arith.yaml", pipeline + ["model.gradient_checkpointing=true"])
+    assert checkpointed.model.gradient_checkpointing  # DeepSpeed's pipeline activation checkpointing
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=3 exceeds the model's 2 layers"):
         load_config("configs/tiny_arith.yaml", base + ["parallel.pipeline_parallel_size=3",
                                                        "deepspeed=configs/ds_zero0.json"])
@@ -160,11 +160,26 @@ def test_plan_counts_bytes_per_rank(tiny, tmp_path):
     assert per_rank["optimizer"] == total * 12 // 4
 
 
-@pytest.mark.parametrize("ranks,pp,ds", [(2, 2, "ds_zero0"), (4, 2, "ds_zero1")])
-def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, pp, ds):
+def test_pipeline_activation_checkpointing_recomputes_every_decoder_layer(tiny):
+    """model.gradient_checkpointing under pipelines: DeepSpeed's activation checkpoint runs once
+    per decoder layer (and on nothing else), and forward and gradients are exactly the same."""
+    proc = run([PYTHON, "tests/helpers/pipeline_checkpointing_probe.py", tiny["warm"],
+                os.path.join(tiny["data"], "train.jsonl")], env={"MASTER_PORT": str(free_port())})
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    decoder_layers = result["layers"].count("DecoderLayer")
+    assert decoder_layers == 2 and result["calls"] == decoder_layers
+    assert result["checkpointed"] == ["DecoderLayer"] * decoder_layers
+    assert result["gradient_norm"] > 0
+    assert result["output_difference"] == 0.0 and result["gradient_difference"] == 0.0
+
+
+@pytest.mark.parametrize("ranks,pp,ds,checkpointing", [(2, 2, "ds_zero0", False), (4, 2, "ds_zero1", False),
+                                                      (2, 2, "ds_zero0", True)])
+def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, pp, ds, checkpointing):
     """DeepSpeed PipelineModule stages (each loading only its layers from safetensors), the
     GRPO loss at the last stage, tied embedding/head across the first and last stage; the
-    gradient norm (which DeepSpeed gets wrong under a fp32 ZeRO-0 pipeline) too."""
+    gradient norm (which DeepSpeed gets wrong under a fp32 ZeRO-0 pipeline) too. With
+    activation checkpointing (DeepSpeed's pipeline form) the same numbers."""
     dp = ranks // pp
     reference, parallel = single_rank(16 * dp), tmp_path / f"dp{dp}_pp{pp}"
     # the run starts from the model rewritten as one file per stage (hf-to-pipeline)
@@ -180,7 +195,7 @@ def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, p
                 "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
                 f"parallel.pipeline_parallel_size={pp}", f"deepspeed=configs/{ds}.json",
-                f"model.name_or_path={staged}"],
+                f"model.name_or_path={staged}", f"model.gradient_checkpointing={str(checkpointing).lower()}"],
                timeout=800)
     assert f"world {ranks} = dp {dp} x tp 1 x pp {pp}" in proc.stdout
     assert "stage=0 layers=2" in proc.stdout and "stage=1 layers=3" in proc.stdout  # by parameters

@@ -124,9 +124,6 @@ def check_layout(cfg: Config) -> None:
                 "(with data parallelism)")
         require(cfg.grpo.packing, f"parallel.pipeline_parallel_size={pp} needs grpo.packing=true "
                 "(the stages pass packed rows, not padded ones)")
-        require(not cfg.model.gradient_checkpointing, f"parallel.pipeline_parallel_size={pp} with "
-                "model.gradient_checkpointing=true is not in this version: a stage holds only its "
-                "own layers' activations; set model.gradient_checkpointing=false")
 
 
 def _gib(n: int) -> str:

@@ -28,7 +28,8 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Training and rollout dtype. float32 on CPU for exact comparisons."""
     gradient_checkpointing: bool = False
-    """Recompute activations in backward (transformers' gradient_checkpointing_enable)."""
+    """Recompute activations in backward: transformers' gradient_checkpointing_enable, or under
+    pipeline parallelism DeepSpeed's pipeline activation checkpointing (every decoder layer)."""
     ref_offload: bool = False
     """Keep the frozen reference model's ZeRO-3 partitions in CPU memory (ZeRO-3 only)."""
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from megagrpo.dtypes import DTYPES
 from megagrpo.engines.fused_logprobs import fused_token_logprobs, logprobs_from_logits
@@ -220,8 +221,15 @@ def build_pipeline_module(cfg, attn_implementation: str, stages: int, loss_fn) -
     folder's safetensors."""
     parts = ModelParts(cfg.model.name_or_path, DTYPES[cfg.model.dtype], attn_implementation)
     specs = layer_specs(parts, cfg.rollout.temperature, cfg.grpo.logprob_chunk_size, cfg.grpo.fused_logprobs)
+    # model.gradient_checkpointing: DeepSpeed's pipeline activation checkpointing, every
+    # decoder layer recomputed in backward (its non-reentrant form, which also checkpoints a
+    # layer whose inputs need no gradient)
+    checkpointing = {}
+    if cfg.model.gradient_checkpointing:
+        checkpointing = dict(activation_checkpoint_interval=1, checkpointable_layers=[DecoderLayer.__name__],
+                             activation_checkpoint_func=ds_checkpointing.non_reentrant_checkpoint)
     module = DecoderPipeline(layers=specs, num_stages=stages, loss_fn=loss_fn,
-                             partition_method="parameters", dynamic_shape=True)
+                             partition_method="parameters", dynamic_shape=True, **checkpointing)
     module.config = parts.config
     return module
 
