@@ -1,6 +1,13 @@
 """Build a tiny Qwen2-architecture model and a byte-level BPE tokenizer, locally, no downloads.
 
     python tools/make_tiny_model.py --out runs/tiny/model --corpus runs/tiny/data/sft.jsonl
+    python tools/make_tiny_model.py --shape qwen2.5-0.5b --out runs/q05 --corpus runs/tiny/data/sft.jsonl
+    python tools/make_tiny_model.py --shape qwen2.5-0.5b --layers 2 --out runs/q05-2l   # CI-sized, real vocab
+
+--shape gives a real model's exact configuration (sizes, heads, 151,936-token vocabulary, tied
+embeddings, rope theta) with random weights; any flag given as well overrides its value. Its
+tokenizer has exactly vocab_size tokens: the BPE trained on the corpus, then padded with merges
+of existing tokens (so the vocabulary is real BPE, and every id can be sampled and decoded).
 
 The tokenizer is trained on the string fields of the corpus JSONL files (plus printable ASCII,
 so that any text encodes) and carries a ChatML chat template; <|im_end|> is the EOS token.
@@ -23,6 +30,14 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# The published configurations (config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-1.5B).
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, layers=24, heads=14, kv_heads=2, intermediate_size=4864,
+                         vocab_size=151936, max_positions=32768, tie_embeddings=True, rope_theta=1e6),
+    "qwen2.5-1.5b": dict(hidden_size=1536, layers=28, heads=12, kv_heads=2, intermediate_size=8960,
+                         vocab_size=151936, max_positions=32768, tie_embeddings=True, rope_theta=1e6),
+}
+
 
 def corpus_texts(paths: list[str]):
     yield string.printable
@@ -37,18 +52,43 @@ def corpus_texts(paths: list[str]):
                         yield value
 
 
-def build_tokenizer(paths: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(paths: list[str], vocab_size: int, pad_to_size: bool = False) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus_texts(paths), trainer=trainer)
+    if pad_to_size:
+        tok = pad_vocabulary(tok, vocab_size)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", bos_token=None,
                                    additional_special_tokens=["<|im_start|>"])
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def pad_vocabulary(tok: Tokenizer, size: int) -> Tokenizer:
+    """The trained byte-level BPE grown to exactly `size` tokens: new tokens are merges of two
+    existing ones (a + b), added after the trained merges, in a fixed order."""
+    state = json.loads(tok.to_str())
+    vocab, merges = state["model"]["vocab"], state["model"]["merges"]
+    specials = {t["content"] for t in state["added_tokens"]}
+    pieces = [piece for piece, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if piece not in specials]
+    missing = size - len(vocab)
+    for a in pieces:
+        for b in pieces:
+            if missing <= 0:
+                break
+            if a + b not in vocab:
+                vocab[a + b] = len(vocab)
+                merges.append([a, b])
+                missing -= 1
+        if missing <= 0:
+            break
+    if missing > 0:
+        raise SystemExit(f"cannot pad the vocabulary to {size}: only {len(vocab)} tokens reachable")
+    return Tokenizer.from_str(json.dumps(state))
 
 
 def main(argv=None):
@@ -63,26 +103,34 @@ def main(argv=None):
     p.add_argument("--intermediate-size", type=int, default=384)
     p.add_argument("--max-positions", type=int, default=1024)
     p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--shape", choices=sorted(SHAPES),
+                   help="a real model's exact configuration (other flags override its values)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="saved weights")
     p.add_argument("--seed", type=int, default=0)
+    shape = p.parse_known_args(argv)[0].shape
+    if shape:
+        p.set_defaults(**SHAPES[shape])
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    tokenizer = build_tokenizer(args.corpus, args.vocab_size)
+    tokenizer = build_tokenizer(args.corpus, args.vocab_size, pad_to_size=shape is not None)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         intermediate_size=args.intermediate_size, max_position_embeddings=args.max_positions,
         tie_word_embeddings=args.tie_embeddings, eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, torch_dtype="float32",
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, torch_dtype=args.dtype,
+        rope_theta=args.rope_theta,
     )
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, args.dtype))
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
     n = sum(p.numel() for p in model.parameters())
-    print(f"tiny Qwen2: {n / 1e6:.2f}M parameters, vocab {len(tokenizer)}, "
+    print(f"{shape or 'tiny'} Qwen2: {n / 1e6:.2f}M parameters, vocab {len(tokenizer)}, "
           f"head_dim {args.hidden_size // args.heads} -> {args.out}")
 
 

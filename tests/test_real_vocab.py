@@ -1,0 +1,55 @@
+"""A real vocabulary: a 2-layer model with Qwen2.5-0.5B's exact configuration otherwise
+(151,936 tokens, tied embeddings, hidden 896) runs GRPO on 2 ranks with ZeRO-3 and vLLM: the
+fused log-prob pass, the weight sync (tied head included) and the export at real size."""
+import json
+import math
+import os
+
+import torch
+from conftest import BIN, PYTHON, free_port, run, tiny_overrides
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import AutoTokenizer
+
+QWEN25_05B = {"hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2,
+              "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True,
+              "max_position_embeddings": 32768, "model_type": "qwen2"}
+
+
+def scalars(out, tag):
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    return [e.value for e in acc.Scalars(tag)]
+
+
+def test_real_vocabulary_grpo_on_two_ranks(tiny, tmp_path):
+    model = tmp_path / "qwen2.5-0.5b-2layers"
+    run([PYTHON, "tools/make_tiny_model.py", "--shape", "qwen2.5-0.5b", "--layers", "2", "--out", str(model),
+         "--corpus", os.path.join(tiny["data"], "sft.jsonl")])
+    config = json.load(open(model / "config.json"))
+    assert {k: config[k] for k in QWEN25_05B} == QWEN25_05B and config["num_hidden_layers"] == 2
+    assert config["rope_parameters"]["rope_theta"] == 1e6
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert len(tokenizer) == 151936
+    text = "What is 12 + 30? Answer: 42"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert tokenizer.decode([151935]) != ""  # the padded merges are real tokens too
+
+    out = tmp_path / "run"
+    proc = run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
+                "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+                *tiny_overrides(tiny, out), f"model.name_or_path={model}", "data.eval_file=null",
+                "grpo.max_steps=2", "grpo.per_device_train_batch_size=16", "checkpoint.save_steps=0",
+                # random weights score zero on the task: a reward with spread gives a gradient
+                "rewards.functions=[tests.helpers.spread_reward:distinct_characters]"], timeout=800)
+    assert "world 2 = dp 2 x tp 1 x pp 1" in proc.stdout and "done: 2 steps" in proc.stdout
+    losses, norms = scalars(out, "train/loss"), scalars(out, "train/grad_norm")
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    assert all(n > 0 for n in norms), norms
+    assert scalars(out, "train/kl")[1] > 0  # the policy moved away from the reference
+    # step 2 samples with the weights synced after step 1: the sampler's log-probs are the trainer's
+    assert scalars(out, "train/sampling/sampling_logp_difference/max")[1] < 1e-4
+    exported = load_file(str(out / "hf" / "model.safetensors"))
+    start = load_file(str(model / "model.safetensors"))
+    assert exported["model.embed_tokens.weight"].shape == (151936, 896)
+    assert not torch.equal(exported["model.embed_tokens.weight"], start["model.embed_tokens.weight"])
