@@ -21,10 +21,20 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 
+def _matmul_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype of the head's products: the tensor's own on an accelerator; float32 on a CPU,
+    where bfloat16/float16 matmuls without native support run 6-140x slower than float32 at a
+    150k-token vocabulary (bench/fused_logprobs.py --dtype bfloat16)."""
+    if tensor.device.type == "cpu" and tensor.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return tensor.dtype
+
+
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(n, H) x (V, H) -> (n, V) logits / temperature, in at least float32."""
-    acc = torch.promote_types(hidden.dtype, torch.float32)
-    return (hidden @ weight.T).to(acc).div_(temperature)
+    """(n, H) x (V, H) -> (n, V) logits / temperature, in at least float32; `weight` is already
+    in the matmul dtype, `hidden` is cast to it."""
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    return (hidden.to(weight.dtype) @ weight.T).to(acc).div_(temperature)
 
 
 def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
@@ -52,9 +62,10 @@ class _FusedLogprobs(torch.autograd.Function):
         logp = torch.empty(N, dtype=acc, device=hidden.device)
         lse = torch.empty(N, dtype=acc, device=hidden.device)
         entropy = torch.empty(N if with_entropy else 0, dtype=acc, device=hidden.device)
+        w = weight.to(_matmul_dtype(weight))  # (a float32 copy of a low-precision head on CPU)
         for s in range(0, N, chunk_size):
             e = min(s + chunk_size, N)
-            logits = _chunk_logits(hidden[s:e], weight, temperature)
+            logits = _chunk_logits(hidden[s:e], w, temperature)
             if group is None:
                 lse[s:e] = logits.logsumexp(dim=-1)
             else:
@@ -68,6 +79,7 @@ class _FusedLogprobs(torch.autograd.Function):
                 logits.sub_(lse[s:e, None])  # now log-probs
                 entropy[s:e] = -_all_reduce(logits.exp().mul_(logits).sum(dim=-1), dist.ReduceOp.SUM, group)
             del logits  # before the next chunk's logits exist
+        del w
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk_size, ctx.group, ctx.offset = temperature, chunk_size, group, offset
         ctx.mark_non_differentiable(entropy)
@@ -82,21 +94,23 @@ class _FusedLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
                        if need_weight else None)
+        w = weight.to(_matmul_dtype(weight))
         for s in range(0, N, ctx.chunk_size):
             e = min(s + ctx.chunk_size, N)
             scale = (grad_logp[s:e] / T).to(lse.dtype)[:, None]   # (n, 1)
             # dz = scale * (onehot - softmax), built in place in the recomputed logits
-            dz = _chunk_logits(hidden[s:e], weight, T).sub_(lse[s:e, None]).exp_().mul_(-scale)
+            dz = _chunk_logits(hidden[s:e], w, T).sub_(lse[s:e, None]).exp_().mul_(-scale)
             local, inside = _in_shard(targets[s:e], ctx.offset, V_local)
             dz.scatter_add_(1, local[:, None], scale * inside[:, None])
-            dz = dz.to(hidden.dtype)
+            dz = dz.to(w.dtype)
             if need_hidden:
-                grad_hidden[s:e] = dz @ weight
+                grad_hidden[s:e] = dz @ w
             if need_weight:
+                h = hidden[s:e].to(w.dtype)
                 if grad_weight.dtype == dz.dtype:
-                    grad_weight.addmm_(dz.T, hidden[s:e])
+                    grad_weight.addmm_(dz.T, h)
                 else:  # low-precision weight: product in its dtype, sum over chunks in float32
-                    grad_weight += dz.T @ hidden[s:e]
+                    grad_weight += dz.T @ h
             del dz
         if need_hidden:  # every vocabulary shard contributes to the (replicated) hidden state
             grad_hidden = _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)
