@@ -6,7 +6,7 @@ import math
 import os
 
 import torch
-from conftest import BIN, PYTHON, free_port, run, tiny_overrides
+from conftest import BIN, PYTHON, ROOT, free_port, run, tiny_overrides
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoTokenizer
@@ -41,7 +41,8 @@ def test_real_vocabulary_grpo_on_two_ranks(tiny, tmp_path):
                 *tiny_overrides(tiny, out), f"model.name_or_path={model}", "data.eval_file=null",
                 "grpo.max_steps=2", "grpo.per_device_train_batch_size=16", "checkpoint.save_steps=0",
                 # random weights score zero on the task: a reward with spread gives a gradient
-                "rewards.functions=[tests.helpers.spread_reward:distinct_characters]"], timeout=800)
+                "rewards.functions=[spread_reward:distinct_characters]"], timeout=800,
+               env={"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "helpers")])})
     assert "world 2 = dp 2 x tp 1 x pp 1" in proc.stdout and "done: 2 steps" in proc.stdout
     losses, norms = scalars(out, "train/loss"), scalars(out, "train/grad_norm")
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
