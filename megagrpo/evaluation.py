@@ -184,7 +184,10 @@ def write_results(output_dir: str, results: dict) -> None:
     """Merge {"before": ..., "after": ...} into output_dir/eval_results.json (a resumed run
     keeps the first run's "before")."""
     path = os.path.join(output_dir, "eval_results.json")
-    previous = json.load(open(path)) if os.path.isfile(path) else {}
+    previous = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            previous = json.load(f)
     with open(path, "w") as f:
         json.dump({**previous, **results}, f, indent=1)
 

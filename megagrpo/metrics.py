@@ -36,9 +36,11 @@ class MetricsLogger:
 
 
 def rollout_metrics(rewards: torch.Tensor, per_function: torch.Tensor, advantages: torch.Tensor,
-                    batch, reward_names: list[str], num_generations: int, dp_group=None) -> dict:
-    """Rewards (total and per function), advantages and completion lengths of the step over
-    every dp rank. `rewards` is already global; the per-completion columns are gathered."""
+                    batch, reward_names: list[str], num_generations: int, seconds: float,
+                    dp_group=None) -> dict:
+    """Rewards (total and per function), advantages, completion lengths and tokens per second
+    (over the step's `seconds`) of the step over every dp rank. `rewards` is already global;
+    the per-completion columns are gathered."""
     grouped = rewards.view(-1, num_generations)
     out = {"reward": rewards.mean(), "reward_std": rewards.std(),
            "reward_min": rewards.min(), "reward_max": rewards.max(),
@@ -54,7 +56,7 @@ def rollout_metrics(rewards: torch.Tensor, per_function: torch.Tensor, advantage
     out["advantages/mean"], out["advantages/std"] = global_adv.mean(), global_adv.std()
     out.update({"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
                 "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.mean(),
-                "tokens": tokens.sum()})
+                "tokens_per_second": tokens.sum() / max(seconds, 1e-9)})
     return out
 
 

@@ -164,9 +164,8 @@ class Trainer:
             self.metrics.text(self.step + 1, "samples", table)
         metrics.update(rollout_metrics(global_rewards, per_function, advantages, batch,
                                        [rf.name for rf in self.reward_functions], g.num_generations,
-                                       self.topo.dp_group))
+                                       sum(timings.values()), self.topo.dp_group))
         metrics.update(component_metrics(details, self.topo.dp_group))
-        metrics["tokens_per_second"] = metrics.pop("tokens") / max(sum(timings.values()), 1e-9)
         metrics.update({f"time/{k}": v for k, v in timings.items()})
         return {k: float(v) for k, v in metrics.items()}
 

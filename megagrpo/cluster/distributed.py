@@ -123,8 +123,6 @@ def release_shm_allreduce_name() -> None:
     DeepSpeed's CPU shared-memory all-reduce creates a ~70 MB /dev/shm file per rank and never
     unlinks it, so each run would leak RAM until reboot. The mappings stay valid after unlinking.
     """
-    import torch.distributed as dist
-
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if torch.cuda.is_available() or not addr or not port:
         return

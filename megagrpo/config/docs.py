@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import types
 import typing
 
 from megagrpo.config import schema
@@ -46,7 +47,7 @@ def _type_name(hint) -> str:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in args)
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+    if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         return f"{_type_name(inner[0])} or null"
     if origin is list:

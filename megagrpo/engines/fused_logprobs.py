@@ -9,7 +9,8 @@ float32. Here the logits of at most `chunk_size` tokens exist at a time:
                grad_hidden_c = dz @ weight     grad_weight += dz.T @ hidden_c
 
 Only hidden, weight, targets and lse (N floats) are kept for backward. The matmuls run in the
-inputs' dtype (as the model's lm_head would); softmax, logsumexp and the sum of grad_weight over
+inputs' dtype on an accelerator (as the model's lm_head would) and in float32 on a CPU for
+bfloat16/float16 inputs (see _matmul_dtype); softmax, logsumexp and the sum of grad_weight over
 chunks run in float32 (float64 for float64 inputs).
 """
 from __future__ import annotations
@@ -109,7 +110,7 @@ class _FusedLogprobs(torch.autograd.Function):
                 h = hidden[s:e].to(w.dtype)
                 if grad_weight.dtype == dz.dtype:
                     grad_weight.addmm_(dz.T, h)
-                else:  # low-precision weight: product in its dtype, sum over chunks in float32
+                else:  # low-precision product (accelerator), summed over chunks in float32
                     grad_weight += dz.T @ h
             del dz
         if need_hidden:  # every vocabulary shard contributes to the (replicated) hidden state

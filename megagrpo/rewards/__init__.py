@@ -21,6 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megagrpo.config.schema import ConfigError, require
+
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -112,7 +114,6 @@ def resolve(name: str) -> Callable:
 
 def check_reward_names(functions: list) -> None:
     """Config check: every rewards.functions entry names a function that resolves."""
-    from megagrpo.config.schema import ConfigError, require
     for i, fn in enumerate(functions):
         require(bool(fn.name), f"rewards.functions[{i}].name is empty")
         try:
