@@ -110,9 +110,7 @@ def test_refused_layouts(tiny, tmp_path, monkeypatch):
                                           r"attention heads"):
         load_config("configs/tiny_arith.yaml", base + ["parallel.tensor_parallel_size=4"])
     pipeline = base + ["parallel.pipeline_parallel_size=2", "deepspeed=configs/ds_zero1.json"]
-    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 with tensor_parallel_size=2: "
-                                          r"tensor and pipeline parallelism together are not in this version"):
-        load_config("configs/tiny_arith.yaml", pipeline + ["parallel.tensor_parallel_size=2"])
+    assert load_config("configs/tiny_arith.yaml", pipeline + ["parallel.tensor_parallel_size=2"])  # 3D
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 needs grpo.packing=true"):
         load_config("configs/tiny_arith.yaml", pipeline + ["grpo.packing=false"])
     checkpointed = load_config("configs/tiny_arith.yaml", pipeline + ["model.gradient_checkpointing=true"])
@@ -173,14 +171,17 @@ def test_pipeline_activation_checkpointing_recomputes_every_decoder_layer(tiny):
     assert result["output_difference"] == 0.0 and result["gradient_difference"] == 0.0
 
 
-@pytest.mark.parametrize("ranks,pp,ds,checkpointing", [(2, 2, "ds_zero0", False), (4, 2, "ds_zero1", False),
-                                                      (2, 2, "ds_zero0", True)])
-def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, pp, ds, checkpointing):
+@pytest.mark.parametrize("ranks,tp,pp,ds,checkpointing", [
+    (2, 1, 2, "ds_zero0", False), (4, 1, 2, "ds_zero1", False), (2, 1, 2, "ds_zero0", True),
+    (4, 2, 2, "ds_zero0", False), (4, 2, 2, "ds_zero1", False)])
+def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp, pp, ds, checkpointing):
     """DeepSpeed PipelineModule stages (each loading only its layers from safetensors), the
     GRPO loss at the last stage, tied embedding/head across the first and last stage; the
     gradient norm (which DeepSpeed gets wrong under a fp32 ZeRO-0 pipeline) too. With
-    activation checkpointing (DeepSpeed's pipeline form) the same numbers."""
-    dp = ranks // pp
+    activation checkpointing (DeepSpeed's pipeline form) the same numbers. With tp 2 each
+    stage's decoder layers are split over two ranks (dp 1 x tp 2 x pp 2); the ZeRO-1 case also
+    resumes its step-1 checkpoint on the same layout."""
+    dp = ranks // (tp * pp)
     reference, parallel = single_rank(16 * dp), tmp_path / f"dp{dp}_pp{pp}"
     # the run starts from the model rewritten as one file per stage (hf-to-pipeline)
     staged = tmp_path / "staged"
@@ -194,10 +195,11 @@ def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, p
     proc = run([f"{BIN}/deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
                 "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
-                f"parallel.pipeline_parallel_size={pp}", f"deepspeed=configs/{ds}.json",
-                f"model.name_or_path={staged}", f"model.gradient_checkpointing={str(checkpointing).lower()}"],
+                f"parallel.pipeline_parallel_size={pp}", f"parallel.tensor_parallel_size={tp}",
+                f"deepspeed=configs/{ds}.json", f"model.name_or_path={staged}",
+                f"model.gradient_checkpointing={str(checkpointing).lower()}", "checkpoint.save_steps=1"],
                timeout=800)
-    assert f"world {ranks} = dp {dp} x tp 1 x pp {pp}" in proc.stdout
+    assert f"world {ranks} = dp {dp} x tp {tp} x pp {pp}" in proc.stdout
     assert "stage=0 layers=2" in proc.stdout and "stage=1 layers=3" in proc.stdout  # by parameters
     expected, got = _losses(reference), _losses(parallel)
     assert len(got) == 2 and abs(got[0] - expected[0]) < 1e-5, (expected, got)
@@ -217,3 +219,16 @@ def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, p
     assert sorted(c) == sorted(b) and all(torch.equal(c[k], b[k]) for k in b)
     # the first stage's vLLM engine samples with the weights streamed from every stage
     assert max(v for _, v in _scalars(parallel, "train/sampling/sampling_logp_difference/max")) < 1e-3
+    if tp == 1 or ds != "ds_zero1":
+        return
+    # exact resume on the same layout: step 2 again from the step-1 checkpoint
+    again = tmp_path / "resumed"
+    run([f"{BIN}/deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
+         "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+         *tiny_overrides(tiny, again), *COMMON, "grpo.per_device_train_batch_size=16",
+         f"parallel.pipeline_parallel_size={pp}", f"parallel.tensor_parallel_size={tp}",
+         f"deepspeed=configs/{ds}.json", f"model.name_or_path={staged}",
+         f"checkpoint.resume={parallel / 'checkpoints' / 'step_00000001'}"], timeout=800)
+    assert _scalars(again, "train/loss") == [(2, pytest.approx(got[1], abs=1e-6))]
+    d = load_file(str(again / "hf" / "model.safetensors"))
+    assert all(torch.equal(d[k], b[k]) for k in b)

@@ -11,26 +11,31 @@ def groups_of(topology, axis):
 
 
 @pytest.mark.parametrize("world,tp,pp", [(1, 1, 1), (4, 1, 1), (2, 2, 1), (4, 2, 1), (8, 4, 1),
-                                         (2, 1, 2), (4, 1, 2), (6, 1, 3), (8, 1, 4)])
+                                         (2, 1, 2), (4, 1, 2), (6, 1, 3), (8, 1, 4),
+                                         (4, 2, 2), (8, 2, 2), (16, 2, 4), (12, 2, 3)])
 def test_groups_match_deepspeed(world, tp, pp):
+    """Ours against DeepSpeed's (pipe, data, model) topology, the one PipelineModule gets (and,
+    with pp 1, AutoTP's (dp, tp) mesh; with tp 1, the (pipe, data) default)."""
     dp = world // (tp * pp)
-    if pp > 1:
-        reference = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
-        model_axis = "pipe"
-    else:
-        reference = PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=dp)
-        model_axis = "model"
-    model_groups = groups_of(reference, model_axis) or [[r] for r in range(world)]
+    reference = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    if tp == 1:  # the default topology of a PipelineModule: the same layout
+        default = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
+        assert all(default.get_rank(pipe=c.pipe, data=c.data) == r
+                   for r, c in enumerate(map(reference.get_coord, range(world))))
+    coords = {r: reference.get_coord(r) for r in range(world)}
+    replicas = sorted(sorted(r for r in range(world) if coords[r].data == d) for d in range(dp))
+    tp_groups = groups_of(reference, "model") or [[r] for r in range(world)]
     dp_groups = groups_of(reference, "data") or [[r] for r in range(world)]
     places = [Topology(world, r, 0, tp, pp) for r in range(world)]
-    assert sorted({tuple(p.model_ranks()) for p in places}) == [tuple(g) for g in model_groups]
+    assert sorted({tuple(sorted(p.model_ranks())) for p in places}) == [tuple(g) for g in replicas]
     assert sorted({tuple(sorted(p.dp_ranks())) for p in places}) == [tuple(g) for g in dp_groups]
+    assert sorted({tuple(p.stage_ranks(p.pp_rank)) for p in places}) == [tuple(g) for g in tp_groups]
     for p in places:
-        coord = reference.get_coord(p.rank)
-        assert p.dp_rank == coord.data
-        assert p.pp_rank == coord.pipe
-        assert p.tp_rank == (coord.model if pp == 1 else 0)
+        coord = coords[p.rank]
+        assert (p.dp_rank, p.pp_rank, p.tp_rank) == (coord.data, coord.pipe, coord.model)
+        assert p.rank_of(p.pp_rank, p.dp_rank, p.tp_rank) == p.rank
         assert p.rank in p.model_ranks() and p.rank in p.dp_ranks()
+        assert p.model_ranks() == [r for s in range(pp) for r in p.stage_ranks(s)]  # stage by stage
         assert p.model_group_source == p.model_ranks()[0]
         assert p.samples_rollout == (p.tp_rank == 0 and p.pp_rank == 0)
         assert p.dp_ranks()[p.dp_rank] == p.rank

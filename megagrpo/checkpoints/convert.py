@@ -16,8 +16,9 @@ reads:
   ZeRO-3     every rank's float32 partition in its optimizer file; each parameter is
              reassembled from the ranks' slices, files memory-mapped and re-mapped every
              16 MiB read, one tensor at a time
-  pipeline   DeepSpeed's layer_XX-model_states.pt files, read one layer at a time and named
-             as engines/pipeline_module.py names them (embedding, decoder layers, final norm, untied head)
+  pipeline   DeepSpeed's layer_XX[-model_YY]-model_states.pt files, read one layer at a time
+             and named as engines/pipeline_module.py names them (embedding, decoder layers,
+             final norm, untied head); with tp, a layer's slices joined as that module splits them
   AutoTP     each model-parallel rank's tensors (read as above), the split ones joined
              along the dimension the model's config says is tp times larger
 
@@ -141,21 +142,31 @@ def _merge_tensor_parallel(ckpt, info, model, model_files, optim_files):
 
 def _pipeline_tensors(layer_files):
     """Layer files in order: embedding ("weight"), decoder layers ("layer.*"), final norm
-    ("norm.weight"), untied head ("weight"), as engines/pipeline_module.py's stage modules name them. A tied
-    head has no file of its own (DeepSpeed saves the tied module with its first layer)."""
-    decoder, seen_norm = 0, False
+    ("norm.weight"), untied head ("weight"), as engines/pipeline_module.py's stage modules name
+    them. A tied head has no file of its own (DeepSpeed saves the tied module with its first
+    layer). With tensor parallelism a layer has one file per tp rank (layer_XX-model_YY-...):
+    the split tensors are joined along the dimension that pipeline_module splits."""
+    from megagrpo.engines.pipeline_module import tensor_parallel_dim
+    by_layer = {}
     for path in layer_files:
-        state = _load(path)
-        if any(k.startswith("layer.") for k in state):
-            yield from ((f"model.layers.{decoder}.{k[len('layer.'):]}", v) for k, v in state.items())
+        index = int(re.match(r"layer_(\d+)", os.path.basename(path)).group(1))
+        by_layer.setdefault(index, []).append(path)  # sorted names: tp rank order
+    decoder, seen_norm = 0, False
+    for index in sorted(by_layer):
+        states = [_load(path) for path in by_layer[index]]
+        keys = states[0]
+        if any(k.startswith("layer.") for k in keys):
+            names = {k: f"model.layers.{decoder}.{k[len('layer.'):]}" for k in keys}
             decoder += 1
-        elif "norm.weight" in state:
-            seen_norm = True
-            yield "model.norm.weight", state["norm.weight"]
-        elif set(state) == {"weight"}:
-            yield ("lm_head.weight" if seen_norm else "model.embed_tokens.weight"), state["weight"]
+        elif "norm.weight" in keys:
+            seen_norm, names = True, {"norm.weight": "model.norm.weight"}
+        elif set(keys) == {"weight"}:
+            names = {"weight": "lm_head.weight" if seen_norm else "model.embed_tokens.weight"}
         else:
-            raise ConvertError(f"{path}: unexpected layer keys {sorted(state)[:5]}")
+            raise ConvertError(f"{by_layer[index][0]}: unexpected layer keys {sorted(keys)[:5]}")
+        for key, name in names.items():
+            dim = tensor_parallel_dim(name, states[0][key].dim())
+            yield name, states[0][key] if dim is None else torch.cat([state[key] for state in states], dim=dim)
 
 
 def _zero3_tensors(model_file, optim_files, window_mb: int = 16):

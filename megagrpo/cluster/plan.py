@@ -6,9 +6,10 @@ model state (parameters, gradients, optimizer) each rank will hold.
 
 The model is built on the meta device (no memory, no weights read) to count its parameters.
 AutoTP splits the 2-D weights of the decoder layers over the tp ranks; embeddings, norms and
-the LM head are replicated. A pipeline holds one stage per rank, partitioned by parameters as
-DeepSpeed does it (the largest stage is reported; a tied head keeps a copy of the embedding on
-the last stage). Bytes per parameter as DeepSpeed's ZeRO optimizers hold them:
+the LM head are replicated. A pipeline holds one stage per tp group, partitioned by parameters
+as DeepSpeed does it (the largest stage is reported; a tied head keeps a copy of the embedding
+on the last stage), its decoder layers split over the stage's tp ranks. Bytes per parameter as
+DeepSpeed's ZeRO optimizers hold them:
 4 (weights) + 4 (gradients) + 12 (a float32 master copy and the two Adam moments) in float32
 training, which bench/parallel_memory.py measures within 1% per rank; 2 + 2 + 12 in bfloat16.
 ZeRO stage 1 splits the optimizer state over the dp ranks, stage 2 the gradients too, stage 3
@@ -69,7 +70,7 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     local = sharded // tp + (total - sharded)  # one rank's share before ZeRO
     if pp > 1:  # the largest stage (DeepSpeed's partition by parameters)
         from megagrpo.engines.pipeline_module import ModelParts
-        local = max(ModelParts(cfg.model.name_or_path, torch.float32, "sdpa").stage_parameters(pp))
+        local = max(ModelParts(cfg.model.name_or_path, torch.float32, "sdpa").stage_parameters(pp, tp))
     weight_b, grad_b, optim_b = BYTES[cfg.model.dtype]
     per_rank = {
         "params": local * weight_b // (dp if stage >= 3 else 1),
@@ -119,9 +120,6 @@ def check_layout(cfg: Config) -> None:
         require(layers >= pp, f"parallel.pipeline_parallel_size={pp} exceeds the model's "
                 f"{layers} layers")
     if pp > 1:
-        require(tp == 1, f"parallel.pipeline_parallel_size={pp} with tensor_parallel_size={tp}: "
-                "tensor and pipeline parallelism together are not in this version; use one of them "
-                "(with data parallelism)")
         require(cfg.grpo.packing, f"parallel.pipeline_parallel_size={pp} needs grpo.packing=true "
                 "(the stages pass packed rows, not padded ones)")
 

@@ -1,12 +1,15 @@
 """The process topology: world = dp x tp x pp, its rank arithmetic and its process groups.
 Everything else asks this object; nobody recomputes ranks or fetches groups elsewhere.
 
-Ranks are laid out as DeepSpeed lays them out. Tensor parallel: tp fastest (AutoTP's mesh is
-(dp, tp), row-major), so ranks 0..tp-1 form the first tp group. Pipeline parallel: DeepSpeed's
-(pipe, data) topology, pipeline stage slowest, so stage s holds ranks s*dp .. s*dp+dp-1 and a
-pipeline is the ranks {d, d+dp, d+2dp, ...}. Ranks of one tp group or pipeline (a "model
-group") see the same prompts and share one rollout, sampled by the group's first rank;
-different dp ranks see different prompts.
+Ranks are laid out as DeepSpeed lays them out: its (pipe, data, model) topology, pipeline stage
+slowest and tp fastest, so
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+(AutoTP's (dp, tp) mesh is the pp = 1 case; DeepSpeed's (pipe, data) topology the tp = 1 case).
+The tp * pp ranks of one data-parallel replica (a "model group") see the same prompts and share
+one rollout, sampled by the group's first rank (stage 0, tp rank 0); different dp ranks see
+different prompts. Inside a stage, the tp ranks (the "tp group") split its decoder layers.
 """
 from __future__ import annotations
 
@@ -28,7 +31,9 @@ class Topology:
     dp_group: Optional[Any] = field(default=None, compare=False, repr=False)
     """Ranks that hold the same model shard and see different prompts (None: the whole world)."""
     model_group: Optional[Any] = field(default=None, compare=False, repr=False)
-    """This rank's tp group or pipeline (None: this rank alone)."""
+    """The tp * pp ranks of this rank's replica (None: this rank alone)."""
+    tp_group: Optional[Any] = field(default=None, compare=False, repr=False)
+    """The tp ranks of this rank's pipeline stage (None: tp 1)."""
 
     @classmethod
     def from_env(cls, tp_size: int = 1, pp_size: int = 1) -> "Topology":
@@ -47,7 +52,7 @@ class Topology:
     def with_groups(self) -> "Topology":
         """Collective: create the dp and model process groups (every rank creates every group,
         in the same order, as torch.distributed requires) and return a copy that holds them."""
-        dp_group = model_group = None
+        dp_group = model_group = tp_group = None
         if self.dp_size < self.world_size:  # (with dp 1: a group of one, so gathers stay local)
             for first in range(self.world_size):
                 ranks = self.dp_ranks(first)
@@ -61,7 +66,14 @@ class Topology:
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     model_group = group
-        return dataclasses.replace(self, dp_group=dp_group, model_group=model_group)
+        if self.tp_size > 1 and self.pp_size == 1:
+            tp_group = model_group
+        elif self.tp_size > 1:
+            for first in range(0, self.world_size, self.tp_size):
+                group = dist.new_group(list(range(first, first + self.tp_size)))
+                if first <= self.rank < first + self.tp_size:
+                    tp_group = group
+        return dataclasses.replace(self, dp_group=dp_group, model_group=model_group, tp_group=tp_group)
 
     def at(self, rank: int) -> "Topology":
         """The same layout seen from another rank (for tables of every rank's place)."""
@@ -73,14 +85,16 @@ class Topology:
 
     @property
     def model_size(self) -> int:
-        """Ranks in one model group: tp or pp (the two do not combine yet)."""
+        """Ranks in one model group (one data-parallel replica): tp x pp."""
         return self.tp_size * self.pp_size
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        """The global rank at a (stage, dp rank, tp rank) place."""
+        return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
 
     @property
     def dp_rank(self) -> int:
-        if self.pp_size > 1:
-            return self.rank % self.dp_size
-        return self.rank // self.tp_size
+        return self.rank // self.tp_size % self.dp_size
 
     @property
     def tp_rank(self) -> int:
@@ -89,26 +103,26 @@ class Topology:
     @property
     def pp_rank(self) -> int:
         """Pipeline stage of this rank."""
-        return self.rank // self.dp_size if self.pp_size > 1 else 0
+        return self.rank // (self.dp_size * self.tp_size)
 
     def model_ranks(self, dp_rank: Optional[int] = None) -> list[int]:
-        """Global ranks of a model group (tp ranks in order, or pipeline stages in order);
+        """Global ranks of a model group, stage by stage and tp rank by tp rank within a stage;
         by default this rank's."""
         d = self.dp_rank if dp_rank is None else dp_rank
-        if self.pp_size > 1:
-            return [stage * self.dp_size + d for stage in range(self.pp_size)]
-        return [d * self.tp_size + t for t in range(self.tp_size)]
+        return [self.rank_of(s, d, t) for s in range(self.pp_size) for t in range(self.tp_size)]
+
+    def stage_ranks(self, pp_rank: int) -> list[int]:
+        """The tp ranks of one pipeline stage of this rank's model group."""
+        return [self.rank_of(pp_rank, self.dp_rank, t) for t in range(self.tp_size)]
 
     def dp_ranks(self, rank: Optional[int] = None) -> list[int]:
         """Global ranks that hold the same shard as `rank` (by default this rank), in dp order."""
         place = self if rank is None else self.at(rank)
-        if self.pp_size > 1:
-            return [place.pp_rank * self.dp_size + d for d in range(self.dp_size)]
-        return [d * self.tp_size + place.tp_rank for d in range(self.dp_size)]
+        return [self.rank_of(place.pp_rank, d, place.tp_rank) for d in range(self.dp_size)]
 
     @property
     def model_group_source(self) -> int:
-        """Global rank of the first rank of this rank's tp group or pipeline (stage 0): it
+        """Global rank of the first rank of this rank's model group (stage 0, tp rank 0): it
         samples the group's rollout."""
         return self.model_ranks()[0]
 

@@ -105,6 +105,6 @@ def initialize(model: torch.nn.Module, cfg: Config, ds_config: dict, total_steps
 
 
 def inference_config(ds_config: dict) -> dict:
-    """The training config's batch and precision keys, for a frozen model's engine."""
-    keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "steps_per_print")
-    return {k: ds_config[k] for k in keys}
+    """The training config's batch, precision and pipeline keys, for a frozen model's engine."""
+    keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "steps_per_print", "pipeline")
+    return {k: ds_config[k] for k in keys if k in ds_config}

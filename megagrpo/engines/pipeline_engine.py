@@ -1,5 +1,6 @@
 """The pipeline engine: the HF decoder as a DeepSpeed PipelineModule (pipeline_module.py), one
-stage per rank of a pipeline, data-parallel across pipelines (ZeRO 0 or 1).
+stage per tp group of a pipeline (each stage's decoder layers split over its tp ranks),
+data-parallel across pipelines (ZeRO 0 or 1).
 
 DeepSpeed's schedule runs the micro-batches over the stages: `train_batch` does the forwards,
 backwards and the optimizer step, `eval_batch` the no-grad passes. The policy's log-probs
@@ -28,16 +29,21 @@ class PipelineEngine(PolicyEngine):
     def __init__(self, cfg: Config, topology: Topology, total_steps: int):
         super().__init__(cfg, topology)
         ds_config = deepspeed_config(cfg)
+        ds_config.pop("tensor_parallel", None)  # the stages split their own layers (no AutoTP pass)
+        # each tp rank sends its stage's whole activations to the same tp rank of the next stage
+        # (DeepSpeed's partitioned send assumes activation sizes fixed across micro-batches)
+        ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
+                                 "grad_partitioned": False}
         self._loss = _StageLoss(self.g)
         self.policy = initialize(self._build_module(self._loss), cfg, ds_config, total_steps)
-        _clip_gradients_over_stages(self.policy, topology.model_group)
+        _clip_gradients_over_stages(self.policy, topology)
         self.reference, self._reference_loss = None, _StageLoss(self.g)
         if self.g.kl_coef > 0:  # the same stages, frozen, no optimizer state
             module = self._build_module(self._reference_loss).requires_grad_(False)
             self.reference, _, _, _ = deepspeed.initialize(model=module, config=inference_config(ds_config))
 
     def _build_module(self, loss_fn):
-        return build_pipeline_module(self.cfg, attention_implementation(), self.topo.pp_size, loss_fn)
+        return build_pipeline_module(self.cfg, attention_implementation(), self.topo, loss_fn)
 
     def _items(self, batch: RolloutBatch, micro_batches: list[list[int]]) -> list:
         one_row = attention_implementation().startswith("flash")
@@ -70,15 +76,18 @@ class PipelineEngine(PolicyEngine):
                 self.policy.train_batch(iter(self._items(batch, micro_batches)))
         finally:
             self._loss.collect()
-        # only the last stage holds the loss: its sum runs over every rank
+        # only the last stage holds the loss (each of its tp ranks a copy, counted once): its
+        # sum runs over every rank
+        if self.topo.tp_rank != 0:
+            stats.loss = 0.0
         return self.step_metrics(stats, None, self.policy.get_global_grad_norm())
 
     @property
     def holds_full_tensors(self) -> bool:
-        return self.topo.pp_rank == 0  # the stages stream their layers to the first one
+        return self.topo.samples_rollout  # the stages stream their layers to the group's first rank
 
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return gather_to_first_stage(self.policy.module, self.topo.model_group, self.topo.model_ranks())
+        return gather_to_first_stage(self.policy.module, self.topo)
 
 
 def _micro_batch_item(mb: RolloutBatch, share: float, one_row: bool = False):
@@ -140,23 +149,29 @@ class _StageLoss:
         return loss * self._micro_batches
 
 
-def _clip_gradients_over_stages(engine, pipe_group) -> None:
+def _clip_gradients_over_stages(engine, topology: Topology) -> None:
     """Gradient clipping of plain fp32 ZeRO-0 training under a pipeline, done right.
 
     DeepSpeed's clip_fp32_gradients (deepspeed.runtime.utils.clip_grad_norm_, 0.19) counts only
     the first stage's gradients: with the pipeline grid as mpu it sums the parameters of
     model-parallel rank 0 and the tensor-parallel ones of other ranks, so later stages are left
-    out of the norm that scales every stage. Here each stage adds its squared norms (a tied
-    copy once: DeepSpeed marks the later copies ds_pipe_replicated), the pipeline sums them,
-    every stage clips by the same factor, and the norm is kept for get_global_grad_norm().
-    (ZeRO-1 and bf16 compute the norm in their optimizers, correctly; docs/upstream-issues.md.)"""
+    out of the norm that scales every stage. Here each rank adds its squared norms (a tied copy
+    once: DeepSpeed marks the later copies ds_pipe_replicated; a weight replicated over the tp
+    ranks once, from tp rank 0), the model group sums them, every rank clips by the same
+    factor, and the norm is kept for get_global_grad_norm(). (ZeRO-1 and bf16 compute the norm
+    in their optimizers, correctly; docs/upstream-issues.md.)"""
+
+    def counted(p) -> bool:
+        split = getattr(p, "tensor_model_parallel", False)
+        return not getattr(p, "ds_pipe_replicated", False) and (split or topology.tp_rank == 0)
 
     def clip():
         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        counted = [p.grad.detach().float() for p in engine.module.parameters()
-                   if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
-        squares = torch.stack([g.pow(2).sum() for g in counted]).sum() if counted else torch.zeros(())
-        dist.all_reduce(squares, group=pipe_group)
+        squares = [p.grad.detach().float().pow(2).sum() for p in engine.module.parameters()
+                   if p.grad is not None and counted(p)]
+        squares = torch.stack(squares).sum() if squares else torch.zeros(())
+        if topology.model_group is not None:
+            dist.all_reduce(squares, group=topology.model_group)
         norm = float(squares.sqrt())
         scale = engine.gradient_clipping() / (norm + 1e-6)
         if scale < 1.0:

@@ -13,23 +13,29 @@ the module's loss_fn, with advantages and the old/reference/sampler log-probs ca
 micro-batch's labels. With tied embeddings the head is a TiedLayerSpec of the embedding, so
 DeepSpeed sums the two stages' gradients of the shared weight.
 
-Rank layout is DeepSpeed's (pipe, data) topology: stage = rank // dp, dp rank = rank % dp.
+With tensor parallelism (tp > 1) each stage's decoder layers are split over the stage's tp
+ranks by DeepSpeed's AutoTP training layers: q/k/v/gate/up along their outputs (each rank a
+block of whole heads), o/down along their inputs with the outputs summed over the tp group.
+Embedding, norms and the head are replicated. Rank layout is DeepSpeed's (pipe, data, model)
+topology (cluster/topology.py).
 """
 from __future__ import annotations
 
 import functools
 import json
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megagrpo.dtypes import DTYPES
 from megagrpo.engines.fused_logprobs import fused_token_logprobs, logprobs_from_logits
+from megagrpo.rollout.weight_sync import tensor_parallel_gather
 
 
 class SafetensorsSource:
@@ -78,6 +84,9 @@ class ModelParts:
         self.rotary = type(meta.model.rotary_emb)
         self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
         self.layer_params = [sum(p.numel() for p in layer.parameters()) for layer in meta.model.layers]
+        self.layer_split_params = [sum(p.numel() for n, p in layer.named_parameters()
+                                       if tensor_parallel_dim(f".layers.{n}", p.dim()) is not None)
+                                   for layer in meta.model.layers]
         self.hidden = self.config.hidden_size
         self.vocab = self.config.vocab_size
         self.model_path, self.dtype = model_path, dtype
@@ -96,10 +105,13 @@ class ModelParts:
         from deepspeed.runtime.utils import partition_balanced
         return partition_balanced(weights=self.layer_counts(), num_parts=stages)
 
-    def stage_parameters(self, stages: int) -> list[int]:
-        """Parameters per stage under DeepSpeed's parameter-balanced partitioning."""
+    def stage_parameters(self, stages: int, tp: int = 1) -> list[int]:
+        """Parameters one rank of each stage holds under DeepSpeed's parameter-balanced
+        partitioning (of whole layers), its decoder layers split over tp ranks."""
         counts, bounds = self.layer_counts(), self.stage_bounds(stages)
-        return [sum(counts[bounds[s]:bounds[s + 1]]) for s in range(stages)]
+        split = [0, *self.layer_split_params, 0, 0]
+        held = [count - part + part // tp for count, part in zip(counts, split)]
+        return [sum(held[bounds[s]:bounds[s + 1]]) for s in range(stages)]
 
     def stage_tensor_names(self, stages: int) -> list[list[str]]:
         """The HF tensors each stage's layers read (a tied head reads the first stage's
@@ -128,15 +140,50 @@ class Embedding(torch.nn.Module):
         return F.embedding(input_ids, self.weight), position_ids, predict_at, targets
 
 
-class DecoderLayer(torch.nn.Module):
-    """One HF decoder layer with its rotary embedding and (packed, causal) attention mask."""
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+"""Linear layers split along their outputs (weight and bias dim 0) under tensor parallelism."""
+ROW_PARALLEL = ("o_proj", "down_proj")
+"""Linear layers split along their inputs (weight dim 1; a bias stays whole)."""
 
-    def __init__(self, parts: ModelParts, index: int):
+
+def tensor_parallel_dim(hf_name: str, tensor_dims: int) -> Optional[int]:
+    """The dimension along which tensor parallelism splits an HF tensor (None: replicated)."""
+    parts = hf_name.split(".")
+    if ".layers." not in hf_name or len(parts) < 2:
+        return None
+    if parts[-2] in COLUMN_PARALLEL:
+        return 0
+    if parts[-2] in ROW_PARALLEL and parts[-1] == "weight" and tensor_dims == 2:
+        return 1
+    return None
+
+
+def split_for_tensor_parallel(layer: torch.nn.Module, tp_group, config, prefix: str) -> None:
+    """Replace the linear layers of one decoder layer by DeepSpeed's AutoTP training layers,
+    which keep this rank's slice (the attention keeps a block of whole heads)."""
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode
+    from deepspeed.module_inject.tp_shard import AutoTPMeta
+    set_autotp_mode(training=True)
+    meta = AutoTPMeta.from_model_config(config)
+    for name, child in list(layer.named_modules()):
+        parent_name, _, leaf = name.rpartition(".")
+        kind = LinearLayer if leaf in COLUMN_PARALLEL else LinearAllreduce if leaf in ROW_PARALLEL else None
+        if kind is not None and isinstance(child, torch.nn.Linear):
+            setattr(layer.get_submodule(parent_name), leaf, kind(child, tp_group, name=prefix + name, tp_meta=meta))
+
+
+class DecoderLayer(torch.nn.Module):
+    """One HF decoder layer with its rotary embedding and (packed, causal) attention mask,
+    split over the stage's tp ranks when a tp group is given."""
+
+    def __init__(self, parts: ModelParts, index: int, tp_group=None):
         super().__init__()
         self.config, self.index = parts.config, index
         with torch.device("meta"):
             self.layer = parts.decoder_layer(parts.config, index).to(parts.dtype)
         parts.source.load_into(self.layer, f"model.layers.{index}.")
+        if tp_group is not None:
+            split_for_tensor_parallel(self.layer, tp_group, parts.config, f"model.layers.{index}.")
         self.rotary = parts.rotary(config=parts.config)
         self.hf_names = {f"layer.{n}": f"model.layers.{index}.{n}" for n, _ in self.layer.named_parameters()}
 
@@ -201,26 +248,27 @@ class DecoderPipeline(PipelineModule):
         return [spec.num_params for spec in self._layer_specs]
 
 
-def layer_specs(parts: ModelParts, temperature: float, chunk_size: int, fused: bool) -> list:
-    """The layer list, each spec carrying its parameter count for the partitioner."""
+def layer_specs(parts: ModelParts, temperature: float, chunk_size: int, fused: bool, tp_group=None) -> list:
+    """The layer list, each spec carrying its (whole-model) parameter count for the partitioner."""
     head = functools.partial(head_logprobs, temperature=temperature, chunk_size=chunk_size, fused=fused)
     if parts.tied:
         embedding = TiedLayerSpec("embed", Embedding, parts, tied_weight_attr="weight")
         output = TiedLayerSpec("embed", Embedding, parts, forward_fn=head, tied_weight_attr="weight")
     else:
         embedding, output = LayerSpec(Embedding, parts), LayerSpec(LMHead, parts, head)
-    decoders = [LayerSpec(DecoderLayer, parts, i) for i in range(len(parts.layer_params))]
+    decoders = [LayerSpec(DecoderLayer, parts, i, tp_group) for i in range(len(parts.layer_params))]
     specs = [embedding, *decoders, LayerSpec(FinalNorm, parts), output]
     for spec, count in zip(specs, parts.layer_counts()):
         spec.num_params = count
     return specs
 
 
-def build_pipeline_module(cfg, attn_implementation: str, stages: int, loss_fn) -> DecoderPipeline:
-    """This rank's stage of the policy (or reference) model, its weights read from the model
-    folder's safetensors."""
+def build_pipeline_module(cfg, attn_implementation: str, topology, loss_fn) -> DecoderPipeline:
+    """This rank's stage (its tp slice, with tp > 1) of the policy (or reference) model, its
+    weights read from the model folder's safetensors."""
     parts = ModelParts(cfg.model.name_or_path, DTYPES[cfg.model.dtype], attn_implementation)
-    specs = layer_specs(parts, cfg.rollout.temperature, cfg.grpo.logprob_chunk_size, cfg.grpo.fused_logprobs)
+    specs = layer_specs(parts, cfg.rollout.temperature, cfg.grpo.logprob_chunk_size, cfg.grpo.fused_logprobs,
+                        topology.tp_group)
     # model.gradient_checkpointing: DeepSpeed's pipeline activation checkpointing, every
     # decoder layer recomputed in backward (its non-reentrant form, which also checkpoints a
     # layer whose inputs need no gradient)
@@ -228,44 +276,71 @@ def build_pipeline_module(cfg, attn_implementation: str, stages: int, loss_fn) -
     if cfg.model.gradient_checkpointing:
         checkpointing = dict(activation_checkpoint_interval=1, checkpointable_layers=[DecoderLayer.__name__],
                              activation_checkpoint_func=ds_checkpointing.non_reentrant_checkpoint)
-    module = DecoderPipeline(layers=specs, num_stages=stages, loss_fn=loss_fn,
-                             partition_method="parameters", dynamic_shape=True, **checkpointing)
+    grid = PipeModelDataParallelTopology(num_pp=topology.pp_size, num_mp=topology.tp_size, num_dp=topology.dp_size)
+    with torch.no_grad():  # (DeepSpeed broadcasts a tied weight in place as it builds the stages)
+        module = DecoderPipeline(layers=specs, topology=grid, loss_fn=loss_fn,
+                                 partition_method="parameters", dynamic_shape=True, **checkpointing)
     module.config = parts.config
     return module
 
 
 # ---- weights out of the pipeline ----------------------------------------------------------
 
-def gather_to_first_stage(module: DecoderPipeline, pipe_group,
-                          pipe_ranks: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) for the whole model on the pipeline's first-stage rank, streamed
-    stage by stage: each stage sends its layers' tensors to it one at a time. Other stages
-    yield nothing but must iterate to the end (they send). A tied weight is sent once."""
-    stage = module.stage_id
-    first = pipe_ranks[0]
-    for owner_stage, owner_rank in enumerate(pipe_ranks):
-        names = _local_hf_tensors(module) if stage == owner_stage else None
-        box = [[(n, tuple(t.shape), t.dtype) for n, t in names] if names is not None else None]
-        dist.broadcast_object_list(box, src=owner_rank, group=pipe_group)
-        for i, (name, shape, dtype) in enumerate(box[0]):
-            if stage == owner_stage:
-                tensor = names[i][1]
-                if owner_rank != first:
-                    dist.send(tensor.contiguous(), dst=first)
-                    continue
-                yield name, tensor
-            elif dist.get_rank() == first:
-                buffer = torch.empty(shape, dtype=dtype)
-                dist.recv(buffer, src=owner_rank)
-                yield name, buffer
+def gather_to_first_stage(module: DecoderPipeline, topology) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, whole tensor) for the whole model on the model group's first rank (stage
+    0, tp rank 0), streamed stage by stage: each stage gathers its layers' tp slices one tensor
+    at a time (all its tp ranks take part) and its tp rank 0 sends the tensor to the first rank.
+    Other ranks yield nothing but must iterate to the end. A tied weight is sent once."""
+    rank, first = dist.get_rank(), topology.model_group_source
+    for stage in range(topology.pp_size):
+        sender = topology.stage_ranks(stage)[0]
+        local = _local_hf_tensors(module) if module.stage_id == stage else None
+        box = [[name for name, _, _ in local] if rank == sender else None]
+        if topology.model_group is not None:
+            dist.broadcast_object_list(box, src=sender, group=topology.model_group)
+        for i, name in enumerate(box[0]):
+            if local is not None:
+                _, param, owner = local[i]
+                with tensor_parallel_gather(param, owner):
+                    if rank == sender == first:
+                        yield name, param.data
+                    elif rank == sender:
+                        _send_tensor(param.data, first)
+            elif rank == first:
+                yield name, _recv_tensor(sender)
 
 
-def _local_hf_tensors(module: DecoderPipeline) -> list[tuple[str, torch.Tensor]]:
-    """This stage's parameters under their HF names, in layer order. A tied head (a function
-    of the embedding, not a module, in forward_funcs) adds nothing: stage 0 sends the weight."""
+def _send_tensor(tensor: torch.Tensor, dst: int) -> None:
+    """Point-to-point: a header (dtype, rank, shape), then the data."""
+    header = torch.zeros(8, dtype=torch.int64)
+    header[0], header[1] = _WIRE_DTYPES.index(tensor.dtype), tensor.dim()
+    header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+    dist.send(header, dst=dst)
+    dist.send(tensor.contiguous(), dst=dst)
+
+
+def _recv_tensor(src: int) -> torch.Tensor:
+    header = torch.empty(8, dtype=torch.int64)
+    dist.recv(header, src=src)
+    dims = int(header[1])
+    buffer = torch.empty(header[2:2 + dims].tolist(), dtype=_WIRE_DTYPES[int(header[0])])
+    dist.recv(buffer, src=src)
+    return buffer
+
+
+_WIRE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _local_hf_tensors(module: DecoderPipeline) -> list[tuple[str, torch.nn.Parameter, torch.nn.Module]]:
+    """This stage's parameters under their HF names, in layer order, with the module that owns
+    each (for the tp gather). A tied head (a function of the embedding, not a module, in
+    forward_funcs) adds nothing: stage 0 sends the weight."""
     out = []
     for layer in module.forward_funcs:
         if isinstance(layer, torch.nn.Module):
-            out += [(layer.hf_names[name], param.data) for name, param in layer.named_parameters()
-                    if name in layer.hf_names]
+            for module_name, owner in layer.named_modules():
+                for name, param in owner.named_parameters(recurse=False):
+                    full = f"{module_name}.{name}" if module_name else name
+                    if full in layer.hf_names:
+                        out.append((layer.hf_names[full], param, owner))
     return out

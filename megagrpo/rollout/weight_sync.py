@@ -41,11 +41,11 @@ def _gathered(bucket):
                if partitioned else contextlib.nullcontext())
     with context:
         for name, param, owner in bucket:
-            with _tensor_parallel_gather(param, owner):
+            with tensor_parallel_gather(param, owner):
                 yield name, param.data
 
 
-def _tensor_parallel_gather(param, owner):
+def tensor_parallel_gather(param, owner):
     """Whole tensors out of an AutoTP-sharded layer (a no-op elsewhere)."""
     if not getattr(param, "ds_is_replaced_module", False):
         return contextlib.nullcontext()
