@@ -51,10 +51,20 @@ fi
 
 "$PY" -m megagrpo.hostfile check "$HOSTFILE"
 "$PY" -m megagrpo.cli validate --config "$CONFIG" "${OVERRIDES[@]}" > /dev/null
+check_memory --config "$CONFIG" --hostfile "$HOSTFILE" "${OVERRIDES[@]}"
 if ! "$PY" -c "import mpi4py" 2>/dev/null; then
   echo "megagrpo: mpi4py is missing in $VENV: pip install -e '.[mpi]' (needs OpenMPI's libmpi)" >&2
   exit 2
 fi
 echo "megagrpo: launching:$(printf ' %q' "${CMD[@]}")"
-# mpirun stops every rank when one exits non-zero, and exits non-zero itself
-exec "${CMD[@]}"
+# mpirun stops every rank when one exits non-zero, and exits non-zero itself; a copy of the
+# output says, at the end, when a rank was killed (SIGKILL: likely out of memory)
+LOG="$(mktemp "${TMPDIR:-/tmp}/megagrpo-launch.XXXXXX")"
+trap 'rm -f "$LOG"' EXIT
+set +e
+"${CMD[@]}" > >(tee -a "$LOG") 2>&1
+rc=$?
+wait  # tee
+set -e
+[ "$rc" -ne 0 ] && explain_sigkill "$LOG"
+exit "$rc"

@@ -33,3 +33,27 @@ while IFS='=' read -r name _; do
   esac
 done < <(env)
 for name in ${EXTRA_ENV:-}; do RANK_ENV_VARS+=("$name"); done
+
+# After a failed job: a rank that died of SIGKILL (the deepspeed runner's "return code = -9",
+# mpirun's "signal 9", srun's "Killed") was most likely ended by the kernel's out-of-memory
+# killer; say so, and how to check. $1: the job's captured output.
+explain_sigkill() {
+  grep -aqE "return code = -9|signal 9|task [0-9]+: Killed|oom[-_]kill" "$1" || return 0
+  cat >&2 <<'MSG'
+megagrpo: a rank was killed by SIGKILL, most likely by the kernel's out-of-memory killer. Check:
+  dmesg -T | grep -iE 'out of memory|killed process'     (on the rank's node; or journalctl -k)
+  sacct -j <jobid> -o JobID,State,MaxRSS                 (under SLURM: OUT_OF_MEMORY, peak RSS)
+and compare with the peak memory per rank that `megagrpo plan --config ...` prints, with the
+switches it names (docs/parallelism.md, "Memory").
+MSG
+}
+
+# Before any rank starts: refuse a layout whose planned peak memory does not fit a node
+# (megagrpo plan --check-memory exits 3 and names the switches that would help). MEMORY_CHECK=0
+# skips it; NODE_MEMORY_GIB sets a node's (CPU) or a GPU's memory when this node is not like
+# the ranks' nodes. Arguments: those of `megagrpo plan` (--config, --hostfile or --world-size,
+# overrides).
+check_memory() {
+  [ "${MEMORY_CHECK:-1}" = 0 ] && return 0
+  "$PY" -m megagrpo.cli plan --check-memory ${NODE_MEMORY_GIB:+--node-memory-gib "$NODE_MEMORY_GIB"} "$@" > /dev/null
+}

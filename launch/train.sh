@@ -7,7 +7,8 @@
 #
 # Every setting below can be set in the environment instead of edited here. Before any rank
 # starts, the hostfile is parsed (a malformed line stops with file:line), every host is probed
-# with passwordless ssh (an unreachable host stops with its name), and the config is validated.
+# with passwordless ssh (an unreachable host stops with its name), the config is validated, and
+# the planned peak memory per rank is checked against this node's (MEMORY_CHECK=0 skips it).
 # Needs: passwordless ssh from this node to every host (also to itself when it is listed), pdsh
 # (or OpenMPI) on this node, this repository and its venv at the same path on every node.
 # Paths (CONFIG, data, model, output_dir) are relative to the repository root.
@@ -65,6 +66,7 @@ fi
 # checks that fail fast, before any rank starts
 "$PY" -m megagrpo.hostfile check "$HOSTFILE" "${SELECT[@]}" ${SSH_PORT:+--ssh-port "$SSH_PORT"}
 "$PY" -m megagrpo.cli validate --config "$CONFIG" "${OVERRIDES[@]}" > /dev/null
+check_memory --config "$CONFIG" --hostfile "$HOSTFILE" "${SELECT[@]}" "${OVERRIDES[@]}"
 
 # the environment of the ranks on every node: the runner reads this file (DS_ENV_FILE) and
 # exports each line on every host before starting deepspeed.launcher.launch there
@@ -98,5 +100,6 @@ if [ "$rc" -ne 0 ]; then
     grep -aE "megagrpo: error on rank|exits with return code = [0-9]" "$LOG" | tail -n 20
     grep -aE "exits with return code = -" "$LOG" | tail -n 20
   } | sed -E "s/\['.*'\] exits with/rank exits with/" | cut -c1-400 >&2
+  explain_sigkill "$LOG"
 fi
 exit "$rc"

@@ -46,21 +46,29 @@ def validate_command(argv) -> int:
 def plan_command(argv) -> int:
     import os
 
-    from megagrpo.cluster.plan import format_plan, make_plan
+    from megagrpo.cluster.plan import format_plan, make_plan, memory_verdict, node_memory_bytes
     from megagrpo.config.loading import load_config
     from megagrpo.config.schema import ConfigError
 
     p = argparse.ArgumentParser(prog="megagrpo plan",
-                                description="Print the layout and the memory each rank will hold.")
+                                description="Print the layout and the memory each rank will hold at its peak; "
+                                            "with --check-memory, exit 3 when that does not fit a node.")
     p.add_argument("--config", required=True)
     p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
                    help="ranks in the job (default: $WORLD_SIZE or 1)")
     p.add_argument("--hostfile", help="take the world size from a hostfile's slots (launch/*.sh)")
     p.add_argument("--num-nodes", type=int, help="with --hostfile: only its first N hosts")
     p.add_argument("--slots-per-node", type=int, help="with --hostfile: ranks per host")
+    p.add_argument("--ranks-per-node", type=int,
+                   help="ranks sharing one node's RAM (default: the hostfile's most slots, else the world size)")
+    p.add_argument("--node-memory-gib", type=float,
+                   help="memory of one node (CPU) or GPU (CUDA) (default: this machine's MemTotal, or "
+                        "its first GPU's memory)")
+    p.add_argument("--check-memory", action="store_true",
+                   help="exit 3, with the switches that would help, when the peak does not fit")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    nodes = None
+    nodes, ranks_per_node = None, args.ranks_per_node
     if args.hostfile:
         from megagrpo.cluster.hostfile import HostfileError, describe, parse_hostfile, select
         try:
@@ -69,6 +77,7 @@ def plan_command(argv) -> int:
             print(f"megagrpo: hostfile error: {e}", file=sys.stderr)
             return 2
         args.world_size, nodes = sum(h.slots for h in hosts), describe(hosts)
+        ranks_per_node = ranks_per_node or max(h.slots for h in hosts)
     os.environ["WORLD_SIZE"] = str(args.world_size)  # validation checks the layout against it
     try:
         cfg = load_config(args.config, args.overrides)
@@ -77,7 +86,17 @@ def plan_command(argv) -> int:
         return 2
     if nodes:
         print(nodes)
-    print(format_plan(make_plan(cfg, args.world_size)))
+    plan = make_plan(cfg, args.world_size)
+    print(format_plan(plan))
+    node_bytes, what = node_memory_bytes()
+    if args.node_memory_gib:
+        node_bytes = int(args.node_memory_gib * 2**30)
+    verdict = memory_verdict(plan, cfg, min(ranks_per_node or args.world_size, args.world_size), node_bytes, what)
+    if verdict and args.check_memory:
+        print(f"megagrpo: the planned peak memory per rank {verdict}. (MEMORY_CHECK=0 skips this check in "
+              "launch/*.sh; how the peak is counted: docs/parallelism.md, \"Memory per rank\".)", file=sys.stderr)
+        return 3
+    print(f"memory: {verdict or 'fits'}")
     return 0
 
 

@@ -3,11 +3,12 @@ bar, and the libraries' console noise kept down."""
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import torch
 
-from megagrpo.cluster.distributed import all_gather_1d
+from megagrpo.cluster.distributed import all_gather_1d, all_reduce
 
 
 class MetricsLogger:
@@ -58,6 +59,54 @@ def rollout_metrics(rewards: torch.Tensor, per_function: torch.Tensor, advantage
                 "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.mean(),
                 "tokens_per_second": tokens.sum() / max(seconds, 1e-9)})
     return out
+
+
+class PhaseClock:
+    """Seconds and peak resident memory of each phase of a step, lap by lap. The peak is this
+    process's high-water mark (Linux VmHWM), reset at every lap through /proc/self/clear_refs,
+    so a phase's peak includes its transients; 0 where /proc has neither."""
+
+    def __init__(self):
+        self.seconds, self.peak_rss_gib = {}, {}
+        _reset_peak_rss()
+        self._start = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase], self._start = now - self._start, now
+        self.peak_rss_gib[phase] = _status_gib("VmHWM")
+        _reset_peak_rss()
+
+    def metrics(self, group=None) -> dict:
+        """time/<phase>, and memory/peak_rss_gib/<phase> and memory/rss_gib as the largest of any
+        rank (over `group`, by default every rank)."""
+        phases = list(self.peak_rss_gib)
+        peaks = all_reduce(torch.tensor([self.peak_rss_gib[p] for p in phases] + [_status_gib("VmRSS")],
+                                        dtype=torch.float64), "max", group=group).tolist()
+        out = {f"time/{p}": s for p, s in self.seconds.items()}
+        out.update({f"memory/peak_rss_gib/{p}": v for p, v in zip(phases, peaks)})
+        out["memory/rss_gib"] = peaks[-1]
+        return out
+
+
+def _status_gib(field: str) -> float:
+    """A /proc/self/status memory field (kB) in GiB; 0 where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def samples_markdown(prompt, texts: list[str], rewards: list[float]) -> str:

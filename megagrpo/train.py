@@ -30,7 +30,14 @@ from megagrpo.config.schema import Config, ConfigError
 from megagrpo.data import DataError, Prompt, PromptSampler, load_prompts
 from megagrpo.engines import build_engine
 from megagrpo.engines.models import load_tokenizer
-from megagrpo.metrics import MetricsLogger, progress_bar, quiet_library_output, rollout_metrics, samples_markdown
+from megagrpo.metrics import (
+    MetricsLogger,
+    PhaseClock,
+    progress_bar,
+    quiet_library_output,
+    rollout_metrics,
+    samples_markdown,
+)
 from megagrpo.rewards import (
     RewardError,
     build_reward_functions,
@@ -121,7 +128,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         g = self.cfg.grpo
-        timings, clock = {}, time.perf_counter()
+        clock = PhaseClock()
         indices = self.sampler.next_indices()
         self._record_prompts(indices)
         prompts = [self.prompts[i] for i in indices]
@@ -131,7 +138,7 @@ class Trainer:
                                seeds=[sampling_seed(g.seed, self.step, i) for i in indices])
         completions = [c for group in groups for c in group]
         prompt_of = [p for p in prompts for _ in range(g.num_generations)]
-        timings["rollout"], clock = time.perf_counter() - clock, time.perf_counter()
+        clock.lap("rollout")
 
         # rewards and group advantages (groups never leave their rank; batch std is global)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
@@ -139,7 +146,7 @@ class Trainer:
         global_rewards = all_gather_1d(rewards, self.topo.dp_group)
         advantages = grpo.group_advantages(rewards, g.num_generations, g.scale_rewards,
                                            batch_std=global_rewards.std())
-        timings["reward"], clock = time.perf_counter() - clock, time.perf_counter()
+        clock.lap("reward")
 
         batch = make_batch([p.token_ids for p in prompt_of], completions, advantages,
                            self.tokenizer.pad_token_id).to(self.device)
@@ -151,22 +158,23 @@ class Trainer:
         batch.ref_logp = self.engine.logprobs(batch, micro_batches, reference=True)
         if g.num_iterations > 1:
             batch.old_logp = self.engine.logprobs(batch, micro_batches)
-        timings["reference"], clock = time.perf_counter() - clock, time.perf_counter()
+        clock.lap("reference")
 
         # policy update: mu passes, one optimizer step each
         metrics = self.engine.optimize(batch, micro_batches)
-        timings["train"], clock = time.perf_counter() - clock, time.perf_counter()
+        clock.lap("train")
 
-        timings["weight_sync"] = self.sync_rollout_weights()
+        self.sync_rollout_weights()
+        clock.lap("weight_sync")
         if self.topo.is_main and self.cfg.logging.sample_steps and (self.step + 1) % self.cfg.logging.sample_steps == 0:
             table = samples_markdown(prompts[0].prompt, texts[:g.num_generations],
                                      rewards[:g.num_generations].tolist())
             self.metrics.text(self.step + 1, "samples", table)
         metrics.update(rollout_metrics(global_rewards, per_function, advantages, batch,
                                        [rf.name for rf in self.reward_functions], g.num_generations,
-                                       sum(timings.values()), self.topo.dp_group))
+                                       sum(clock.seconds.values()), self.topo.dp_group))
         metrics.update(component_metrics(details, self.topo.dp_group))
-        metrics.update({f"time/{k}": v for k, v in timings.items()})
+        metrics.update(clock.metrics())
         return {k: float(v) for k, v in metrics.items()}
 
     def generate(self, prompt_ids, n, seeds, greedy=False):

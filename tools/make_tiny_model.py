@@ -108,12 +108,23 @@ def main(argv=None):
                    help="a real model's exact configuration (other flags override its values)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="saved weights")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config-only", action="store_true",
+                   help="write config.json only (no weights, no tokenizer): enough for `megagrpo plan`")
     shape = p.parse_known_args(argv)[0].shape
     if shape:
         p.set_defaults(**SHAPES[shape])
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
+    if args.config_only:
+        config = Qwen2Config(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+                             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                             intermediate_size=args.intermediate_size, max_position_embeddings=args.max_positions,
+                             tie_word_embeddings=args.tie_embeddings, torch_dtype=args.dtype,
+                             rope_theta=args.rope_theta)
+        config.save_pretrained(args.out)
+        print(f"{shape or 'tiny'} Qwen2 config (no weights) -> {args.out}")
+        return
     tokenizer = build_tokenizer(args.corpus, args.vocab_size, pad_to_size=shape is not None)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = Qwen2Config(

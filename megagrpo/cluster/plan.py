@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -45,6 +46,7 @@ class Plan:
     params_sharded: int          # split by tensor parallelism
     per_rank: dict               # bytes: params, grads, optimizer, reference, rollout_weights
     ranks: list                  # (rank, dp_rank, tp_rank, pp_stage)
+    peak: dict = field(default_factory=dict)  # bytes held at a rank's peak, by what holds them
 
 
 def count_parameters(model_path: str) -> tuple[int, int]:
@@ -82,7 +84,117 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     layout = Topology(world_size, 0, 0, tp, pp)
     ranks = [(r, place.dp_rank, place.tp_rank, place.pp_rank) for r in range(world_size)
              for place in [layout.at(r)]]
-    return Plan(world_size, dp, tp, pp, stage, total, sharded, per_rank, ranks)
+    plan = Plan(world_size, dp, tp, pp, stage, total, sharded, per_rank, ranks)
+    plan.peak = peak_memory(cfg, plan, local)
+    return plan
+
+
+# ---- the peak: everything a rank holds at once --------------------------------------------
+
+RUNTIME_BYTES = {"cpu": int(1.0 * 2**30), "cuda": int(0.5 * 2**30)}
+"""Python, torch, DeepSpeed and vLLM in one rank process before any model: measured 1.0 GiB of
+RSS on CPU (a run of the 0.5M-parameter test model, vLLM included); the CUDA context on GPU."""
+
+
+def activation_bytes_per_token(config, layers: int, dtype: str, checkpointing: bool) -> int:
+    """Bytes the backward keeps per token of a micro-batch through `layers` decoder layers.
+    Counted with saved-tensor hooks on Qwen2.5-0.5B's shape (bench/memory_model.py): one layer
+    keeps (14 h + 6 i) values per token (h hidden, i intermediate size) in the model's dtype,
+    plus the float32 inputs of its two RMSNorms in bfloat16; within 4% in float32 and bfloat16.
+    With activation checkpointing each layer keeps its input (h values) and one layer at a time
+    is recomputed in full."""
+    h, i = config.hidden_size, config.intermediate_size
+    b = 4 if dtype == "float32" else 2
+    layer = b * (14 * h + 6 * i) + (4 * h if dtype != "float32" else 0)
+    if checkpointing:
+        return layers * b * h + layer
+    return layers * layer
+
+
+def peak_memory(cfg: Config, plan: Plan, local_params: int) -> dict:
+    """The bytes one rank holds at its peak (the sampling rank of a stage-0 shard: the largest),
+    by what holds them. The training step's transient is its largest micro-batch's activations
+    and the fused log-prob head's working set; vLLM on CPU does not sleep, so everything is held
+    together there."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(cfg.model.name_or_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g, r = cfg.grpo, cfg.rollout
+    weight_b = 4 if cfg.model.dtype == "float32" else 2
+    longest = cfg.data.max_prompt_length + r.max_new_tokens
+    tokens = g.per_device_train_batch_size * longest  # a micro-batch: fixed size, or a token budget
+    if g.max_tokens_per_microbatch:
+        tokens = min(g.max_tokens_per_microbatch, tokens * g.gradient_accumulation_steps)
+    layers = -(-config.num_hidden_layers // plan.pp)  # a stage's share
+    vocab, hidden = config.vocab_size, config.hidden_size
+    chunk = min(g.logprob_chunk_size, tokens)
+    head = chunk * vocab * 4 * 3  # a chunk's logits, probabilities and their gradient (float32)
+    if device == "cpu" and weight_b == 2:
+        head += 2 * vocab * hidden * 4  # the float32 copy of the head and its gradient
+    state = sum(plan.per_rank[k] for k in ("params", "grads", "optimizer"))
+    peak = {
+        "runtime": RUNTIME_BYTES[device],
+        "trainer_state": state,
+        "gradient_buckets": _bucket_bytes(cfg, local_params, weight_b),
+        "reference": plan.per_rank["reference"],
+        "rollout": (plan.per_rank["rollout_weights"] + int(r.cpu_kv_cache_gb * 2**30)) if device == "cpu"
+        else int(r.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory),
+        "activations": tokens * activation_bytes_per_token(config, layers, cfg.model.dtype,
+                                                           cfg.model.gradient_checkpointing),
+        "logprob_head": head,
+    }
+    if device == "cuda" and r.sleep:  # vLLM's weights and KV cache leave the GPU while it trains
+        peak["rollout"] = max(0, peak["rollout"] - peak["activations"] - head)
+    return peak
+
+
+def _bucket_bytes(cfg: Config, local_params: int, weight_b: int) -> int:
+    """DeepSpeed's gradient reduction bucket (ZeRO 1-3, contiguous gradients): reduce_bucket_size
+    elements (default 5e8) of the gradient dtype, filled as far as the model's gradients go."""
+    from megagrpo.config.deepspeed_json import read_deepspeed_config
+    zero = read_deepspeed_config(cfg.deepspeed).get("zero_optimization", {})
+    if zero.get("stage", 0) == 0 or not zero.get("contiguous_gradients", True):
+        return 0
+    return min(int(float(zero.get("reduce_bucket_size", 5e8))), local_params) * weight_b
+
+
+def node_memory_bytes() -> tuple[int, str]:
+    """What a node's ranks share: this node's RAM on CPU (MemTotal), one GPU's memory per rank
+    on CUDA."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, "per GPU"
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    return total, "RAM of this node"
+
+
+def memory_verdict(plan: Plan, cfg: Config, ranks_per_node: int, node_bytes: int, what: str) -> Optional[str]:
+    """None when the peak fits; else what does not fit and the switches that would help."""
+    shared = ranks_per_node if what.startswith("RAM") else 1
+    need = shared * sum(plan.peak.values())
+    if need <= node_bytes * NODE_HEADROOM:
+        return None
+    switches = []
+    if plan.zero_stage < 3 and plan.pp == 1:
+        switches.append("ZeRO-3 (deepspeed=configs/ds_zero3.json or ds_zero3_bf16.json) shards the trainer state "
+                        "over the data-parallel ranks")
+    if plan.dp > 1 or plan.zero_stage == 3:
+        switches.append("more nodes (more data-parallel ranks split the ZeRO state further)")
+    activations = plan.peak["activations"]
+    if not cfg.model.gradient_checkpointing:
+        switches.append(f"model.gradient_checkpointing=true (activations now {_gib(activations)})")
+    if activations > 0.1 * sum(plan.peak.values()):
+        switches.append(f"a smaller grpo.max_tokens_per_microbatch (activations {_gib(activations)} grow with it)")
+    if cfg.grpo.kl_coef > 0:
+        switches.append(f"grpo.kl_coef=0 (no reference model: {_gib(plan.peak['reference'])})")
+    if what.startswith("per GPU"):
+        switches.append("ZeRO offload (configs/ds_zero3_offload.json) moves optimizer state to host RAM")
+    return (f"does not fit: {shared} rank(s) x {_gib(sum(plan.peak.values()))} at the peak = {_gib(need)}, "
+            f"more than {NODE_HEADROOM:.0%} of the {_gib(node_bytes)} {what}. Would help: " + "; ".join(switches))
+
+
+NODE_HEADROOM = 0.9
+"""Share of a node's memory the ranks may plan to use (the rest: the OS, page cache, launcher)."""
 
 
 PIPELINE_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -143,4 +255,9 @@ def format_plan(plan: Plan, max_rows: int = 16) -> str:
         lines.append(f"  {key:<16}{_gib(value):>14}")
     training = sum(plan.per_rank[k] for k in ("params", "grads", "optimizer"))
     lines.append(f"  {'trainer total':<16}{_gib(training):>14}  (params + grads + optimizer)")
+    if plan.peak:
+        lines += ["", "peak memory per rank (the sampling rank, during the training step):"]
+        for key, value in plan.peak.items():
+            lines.append(f"  {key:<18}{_gib(value):>12}")
+        lines.append(f"  {'total':<18}{_gib(sum(plan.peak.values())):>12}")
     return "\n".join(lines)
