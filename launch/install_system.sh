@@ -4,8 +4,7 @@
 # Debian's python3 (the code-reward sandbox runs /usr/bin/python3). Idempotent; needs root (or
 # sudo). Real jobs need only what their launcher uses: see docs/cluster-launching.md.
 set -euo pipefail
-PACKAGES=(openssh-server openssh-client pdsh slurm-wlm munge openmpi-bin libopenmpi-dev bubblewrap procps python3
-          libtcmalloc-minimal4)
+PACKAGES=(openssh-server openssh-client pdsh slurm-wlm munge openmpi-bin libopenmpi-dev bubblewrap procps python3)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

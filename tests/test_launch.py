@@ -218,6 +218,19 @@ def test_unreachable_host_stops_launch_before_any_rank(tiny, tmp_path, sshd):
 
 
 @pytest.mark.daemons
+def test_memory_check_stops_launch_before_any_rank(tiny, tmp_path, sshd):
+    """A node too small for the planned peak (NODE_MEMORY_GIB): exit 3 with the switches that
+    would help, before any rank starts; MEMORY_CHECK=0 is named as the way around it."""
+    proc = run(["bash", "launch/train.sh", *overrides(tiny, tmp_path / "run")], check=False,
+               env={**sshd, "HOSTFILE": "hostfiles/localhost_pair", "NODE_MEMORY_GIB": "0.5"})
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "the planned peak memory per rank does not fit: 1 rank(s) x " in proc.stderr
+    assert "of the 512.00 MiB RAM of this node" in proc.stderr and "MEMORY_CHECK=0" in proc.stderr
+    assert "grpo.kl_coef=0" in proc.stderr
+    assert "launching" not in proc.stdout and not (tmp_path / "run").exists()
+
+
+@pytest.mark.daemons
 def test_rank_killed_mid_step_ends_the_job_promptly(tiny, tmp_path, sshd):
     """SIGKILL the rank on the second "node" after its first checkpoint: the launcher exits
     non-zero by itself, the job trains no further (no checkpoint completes after the kill but
@@ -267,7 +280,10 @@ def test_rank_killed_mid_step_ends_the_job_promptly(tiny, tmp_path, sshd):
     assert 1 <= saved_at_kill <= final <= saved_at_kill + 1, (saved_at_kill, final, text[-3000:])
     # the summary at the end of the log names the dead rank's exit (SIGKILL: -9)
     summary = text.split("megagrpo: the job failed")[-1]
-    assert "rank exits with return code = -9" in summary.strip().splitlines()[-1], summary
+    ranks, explanation = summary.split("megagrpo: a rank was killed by SIGKILL, most likely by the kernel's "
+                                       "out-of-memory killer")
+    assert "rank exits with return code = -9" in ranks.strip().splitlines()[-1], summary
+    assert "dmesg -T" in explanation and "megagrpo plan" in explanation
     # no process of the job is left; the last ones may still be exiting (the wait bounds a leak)
     deadline = time.monotonic() + 60
     while job_processes(f"output_dir={out}") and time.monotonic() < deadline:

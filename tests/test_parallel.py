@@ -158,6 +158,39 @@ def test_plan_counts_bytes_per_rank(tiny, tmp_path):
     assert per_rank["optimizer"] == total * 12 // 4
 
 
+def test_plan_counts_a_3d_stage_and_refuses_what_does_not_fit(tiny, tmp_path):
+    """tp x pp: a rank holds its stage with the decoder layers split by tp. Real shapes (config
+    only, no weights): 2 ranks of Qwen2.5-1.5B in bf16 with ZeRO-3 do not fit a 24 GiB node,
+    and --check-memory says so (exit 3) with the switches that would help; one rank of 0.5B
+    does fit."""
+    from megagrpo.cluster.plan import make_plan
+    from megagrpo.engines.pipeline_module import ModelParts
+    cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
+        "parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2", "deepspeed=configs/ds_zero1.json"])
+    plan = make_plan(cfg, 8)
+    per_layer_split = 4 * 128 * 128 + 3 * 384 * 128 + 3 * 128  # q/k/v biases split too
+    stages = ModelParts(tiny["warm"], torch.float32, "sdpa").stage_parameters(2, 2)
+    whole = ModelParts(tiny["warm"], torch.float32, "sdpa").stage_parameters(2)
+    assert [w - s for w, s in zip(whole, stages)] == [per_layer_split // 2, per_layer_split // 2]
+    assert plan.per_rank["params"] == max(stages) * 4 and plan.per_rank["optimizer"] == max(stages) * 12 // 2
+    for shape, ranks, code in (("qwen2.5-1.5b", 2, 3), ("qwen2.5-0.5b", 1, 0)):
+        model = tmp_path / shape
+        run([PYTHON, "tools/make_tiny_model.py", "--shape", shape, "--config-only", "--out", str(model)])
+        proc = run([f"{BIN}/megagrpo", "plan", "--check-memory", "--node-memory-gib", "24", "--world-size", str(ranks),
+                    "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, tmp_path),
+                    f"model.name_or_path={model}", "model.dtype=bfloat16", "deepspeed=configs/ds_zero3_bf16.json",
+                    "model.gradient_checkpointing=true", "rollout.max_new_tokens=128"], check=False)
+        assert proc.returncode == code, (shape, proc.stdout[-2000:], proc.stderr[-2000:])
+        for part in ("runtime", "trainer_state", "gradient_buckets", "reference", "rollout", "activations",
+                     "logprob_head"):
+            assert f"\n  {part} " in proc.stdout, part
+        if code:
+            assert f"does not fit: {ranks} rank(s) x " in proc.stderr and "RAM of this node" in proc.stderr
+            assert "grpo.kl_coef=0 (no reference model" in proc.stderr
+        else:
+            assert "memory: fits" in proc.stdout
+
+
 def test_pipeline_activation_checkpointing_recomputes_every_decoder_layer(tiny):
     """model.gradient_checkpointing under pipelines: DeepSpeed's activation checkpoint runs once
     per decoder layer (and on nothing else), and forward and gradients are exactly the same."""

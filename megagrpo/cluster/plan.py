@@ -96,6 +96,12 @@ RUNTIME_BYTES = {"cpu": int(1.0 * 2**30), "cuda": int(0.5 * 2**30)}
 RSS on CPU (a run of the 0.5M-parameter test model, vLLM included); the CUDA context on GPU."""
 
 
+VLLM_CPU_WEIGHT_COPIES = {"float32": 3, "bfloat16": 2}
+"""What vLLM's CPU engine holds per byte of the model's weights, measured (RSS after building the
+engine, less the 0.5M-parameter model's): 3.0 in float32, 2.05 in bfloat16, on a 196M-parameter
+Qwen2.5-0.5B-shaped model (4 layers)."""
+
+
 def activation_bytes_per_token(config, layers: int, dtype: str, checkpointing: bool) -> int:
     """Bytes the backward keeps per token of a micro-batch through `layers` decoder layers.
     Counted with saved-tensor hooks on Qwen2.5-0.5B's shape (bench/memory_model.py): one layer
@@ -137,7 +143,8 @@ def peak_memory(cfg: Config, plan: Plan, local_params: int) -> dict:
         "trainer_state": state,
         "gradient_buckets": _bucket_bytes(cfg, local_params, weight_b),
         "reference": plan.per_rank["reference"],
-        "rollout": (plan.per_rank["rollout_weights"] + int(r.cpu_kv_cache_gb * 2**30)) if device == "cpu"
+        "rollout": (plan.per_rank["rollout_weights"] * VLLM_CPU_WEIGHT_COPIES[cfg.model.dtype]
+                    + int(r.cpu_kv_cache_gb * 2**30)) if device == "cpu"
         else int(r.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory),
         "activations": tokens * activation_bytes_per_token(config, layers, cfg.model.dtype,
                                                            cfg.model.gradient_checkpointing),
@@ -187,6 +194,9 @@ def memory_verdict(plan: Plan, cfg: Config, ranks_per_node: int, node_bytes: int
         switches.append(f"a smaller grpo.max_tokens_per_microbatch (activations {_gib(activations)} grow with it)")
     if cfg.grpo.kl_coef > 0:
         switches.append(f"grpo.kl_coef=0 (no reference model: {_gib(plan.peak['reference'])})")
+    if plan.peak["logprob_head"] > 0.1 * sum(plan.peak.values()) and cfg.grpo.logprob_chunk_size > 128:
+        switches.append(f"a smaller grpo.logprob_chunk_size (the log-prob head's "
+                        f"{_gib(plan.peak['logprob_head'])} grow with it)")
     if what.startswith("per GPU"):
         switches.append("ZeRO offload (configs/ds_zero3_offload.json) moves optimizer state to host RAM")
     return (f"does not fit: {shared} rank(s) x {_gib(sum(plan.peak.values()))} at the peak = {_gib(need)}, "
