@@ -90,12 +90,21 @@ class DeepSpeedEngine(PolicyEngine):
 
     def _grad_norm_before_step(self) -> Optional[float]:
         """DeepSpeed reports the gradient norm under ZeRO and bf16, not for plain fp32 ZeRO-0:
-        there it is measured here (gradients are already averaged over dp)."""
+        there it is measured here (gradients are already averaged over dp). Under AutoTP the
+        squares are summed over the tp group, so a replicated tensor (embeddings, norms, LM
+        head) counts on tp rank 0 only and a split one on every rank, as DeepSpeed's own
+        clip_grad_norm_ counts them; counting all on every rank overstated the norm."""
         if zero_stage(self.ds_config) != 0 or self.cfg.model.dtype != "float32":
             return None
-        from deepspeed.runtime.utils import get_global_norm_of_tensors
-        grads = [p.grad for p in self.policy.module.parameters() if p.grad is not None]
-        return float(get_global_norm_of_tensors(grads, mpu=self.policy.mpu)) if grads else 0.0
+        from deepspeed.runtime.utils import get_global_norm_of_tensors, is_model_parallel_parameter
+        mpu = self.policy.mpu
+        first = mpu is None or mpu.get_model_parallel_rank() == 0
+        grads = [p.grad for p in self.policy.module.parameters()
+                 if p.grad is not None and (first or is_model_parallel_parameter(p))]
+        if not grads and mpu is None:
+            return 0.0
+        # a rank with nothing to count still joins the tp group's sum
+        return float(get_global_norm_of_tensors(grads or [torch.zeros(1)], mpu=mpu))
 
     holds_full_tensors = True  # ZeRO-3 partitions and AutoTP shards are gathered on every rank
 

@@ -87,6 +87,15 @@ def load_model(cfg: Config, ds_config: dict):
                                                  dtype=DTYPES[cfg.model.dtype],
                                                  attn_implementation=attention_implementation())
     install_logprob_head(model, cfg.grpo.logprob_chunk_size)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    if "tensor_parallel" in ds_config and not tied:
+        # AutoTP follows the HF tp_plan, whose "lm_head": "colwise_gather_output" would replace
+        # an untied head (a tied one DeepSpeed keeps whole) by a vocabulary-split layer, and
+        # the fused log-prob head with it. The head stays replicated: this instance's plan
+        # marks it with the one style DeepSpeed leaves whole without summing its gradient over
+        # the tp group (the gradient is already the same on every tp rank). Not for a tied
+        # head: there the style asks DeepSpeed to split embedding and head over the vocabulary.
+        model._tp_plan = {**(model.__dict__.get("_tp_plan") or {}), "lm_head": "embedding_rowwise"}
     return model
 
 

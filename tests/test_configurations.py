@@ -1,0 +1,192 @@
+"""The configurations users actually run, each trained in a test: bf16, ZeRO-2, ZeRO-3 with
+CPU offload, no reference model (kl_coef 0), truncated completions masked, tensor parallelism
+under ZeRO 0, 1 and 2, and a model with an untied LM head (most large checkpoints) on one rank
+and in a pipeline, with its HF export and both `megagrpo convert` directions.
+
+Every run is 2 GRPO steps with vLLM co-located; each must finish, log a finite train/loss at
+both steps and move the parameters (its HF export against the starting weights). The model is
+a random tiny Qwen2 with an untied head (tools/make_tiny_model.py --no-tie-embeddings); the
+task's reward would score all its completions zero (no advantage, no gradient), so the runs
+use a reward with spread on any text (tests/helpers/spread_reward.py). The fp32 layouts are
+also held to the one-rank run: the same losses, gradient norms and parameters.
+"""
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+from conftest import BIN, PYTHON, ROOT, free_port, run, tiny_overrides
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+COMMON = ["data.eval_file=null", "grpo.max_steps=2", "grpo.learning_rate=1e-4", "logging.sample_steps=0",
+          "checkpoint.save_steps=0", "grpo.per_device_train_batch_size=16",  # 2 prompts x 8 completions
+          "rewards.functions=[spread_reward:distinct_characters]"]
+HELPERS = {"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "helpers")])}  # the reward
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """{data, warm}: the demo task and a random tiny Qwen2 with an untied LM head (under "warm",
+    where tiny_overrides takes the starting model from)."""
+    base = tmp_path_factory.mktemp("untied")
+    paths = {"data": str(base / "data"), "warm": str(base / "model")}
+    run([PYTHON, "tools/make_demo_data.py", "--out", paths["data"]])
+    run([PYTHON, "tools/make_tiny_model.py", "--out", paths["warm"], "--corpus",
+         os.path.join(paths["data"], "sft.jsonl"), "--no-tie-embeddings"])
+    # No pad_token_id in the model's config, as in many released checkpoints. (With one, HF's
+    # embedding gives its row no gradient, padding_idx, while the pipeline's embedding stage
+    # does: a random model samples that token, and pp=2 then differs from one rank.)
+    config_file = os.path.join(paths["warm"], "config.json")
+    config = json.load(open(config_file))
+    config["pad_token_id"] = None
+    with open(config_file, "w") as f:
+        json.dump(config, f, indent=2)
+    start = load_file(os.path.join(paths["warm"], "model.safetensors"))
+    assert config["tie_word_embeddings"] is False and "lm_head.weight" in start
+    assert not torch.equal(start["lm_head.weight"], start["model.embed_tokens.weight"])
+    return paths
+
+
+def _train_args(model, out, extra):
+    return ["megagrpo.train", "--config", "configs/tiny_arith.yaml", *tiny_overrides(model, out), *COMMON, *extra]
+
+
+def train_one_rank(model, out, *extra, timeout=600):
+    return run([sys.executable, "-m", *_train_args(model, out, extra)], timeout=timeout, env=HELPERS)
+
+
+def train_two_ranks(model, out, *extra):
+    return run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+                *_train_args(model, out, extra)], timeout=800, env=HELPERS)
+
+
+def scalars(out):
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def check_trained(out, start_folder) -> tuple[dict, dict]:
+    """The run logged a finite loss at steps 1 and 2 and its HF export holds the starting
+    model's tensors, some of them moved by training. Returns (scalars, exported tensors)."""
+    values = scalars(out)
+    assert [s for s, _ in values["train/loss"]] == [1, 2], values["train/loss"]
+    assert all(math.isfinite(v) for _, v in values["train/loss"]), values["train/loss"]
+    exported = load_file(str(out / "hf" / "model.safetensors"))
+    start = load_file(os.path.join(start_folder, "model.safetensors"))
+    assert sorted(exported) == sorted(start)
+    # compared in the export's dtype (a bf16 run exports bf16: rounding alone is no training)
+    moved = {k: (exported[k].float() - start[k].to(exported[k].dtype).float()).abs().max().item() for k in start}
+    assert max(moved.values()) > 1e-6, moved
+    return values, exported
+
+
+def assert_same_run(values, exported, reference):
+    """An fp32 layout against the one-rank run: losses, gradient norms, parameters."""
+    ref_values, ref_exported = reference
+    expected, got = [v for _, v in ref_values["train/loss"]], [v for _, v in values["train/loss"]]
+    assert got == pytest.approx(expected, abs=1e-5), (expected, got)
+    norms = [v for _, v in values["train/grad_norm"]]
+    assert norms == pytest.approx([v for _, v in ref_values["train/grad_norm"]], rel=1e-4), norms
+    for name in ref_exported:
+        assert exported[name].shape == ref_exported[name].shape, name  # whole, not tp shards
+        torch.testing.assert_close(exported[name], ref_exported[name], atol=1e-5, rtol=0, msg=name)
+    # the rollout engine samples with the trainer's weights (the head's included) at step 2
+    assert max(v for _, v in values["train/sampling/sampling_logp_difference/max"]) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def one_rank(untied, tmp_path_factory):
+    """The reference run: one rank, fp32, ZeRO-3 (tiny_arith.yaml's), reference model (kl 0.02)."""
+    out = tmp_path_factory.mktemp("one_rank")
+    train_one_rank(untied, out)
+    values, exported = check_trained(out, untied["warm"])
+    return out, values, exported
+
+
+def test_untied_head_one_rank_exports_an_untied_model(untied, one_rank, tmp_path):
+    """The HF export loads in transformers with its own head (trained, not the embedding), and
+    the ZeRO-3 checkpoint converts offline to the same tensors."""
+    from transformers import AutoModelForCausalLM
+
+    from megagrpo.checkpoints.convert import main as convert
+
+    out, values, exported = one_rank
+    assert max(v for _, v in values["train/sampling/sampling_logp_difference/max"]) < 1e-3
+    start = load_file(os.path.join(untied["warm"], "model.safetensors"))
+    assert (exported["lm_head.weight"] - start["lm_head.weight"]).abs().max() > 1e-6  # the head trained
+    model = AutoModelForCausalLM.from_pretrained(str(out / "hf"), dtype=torch.float32)
+    assert model.config.tie_word_embeddings is False
+    head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    assert head.data_ptr() != embedding.data_ptr() and not torch.equal(head, embedding)
+    assert torch.equal(head, exported["lm_head.weight"])
+    assert torch.equal(embedding, exported["model.embed_tokens.weight"])
+    converted = tmp_path / "converted"
+    assert convert(["to-hf", str(out / "checkpoints" / "step_00000002"), str(converted)]) == 0
+    c = load_file(str(converted / "model-00001.safetensors"))
+    assert sorted(c) == sorted(exported) and all(torch.equal(c[k], exported[k]) for k in exported)
+
+
+def test_untied_head_pipeline_round_trip(untied, one_rank, tmp_path):
+    """hf-to-pipeline keeps every tensor (the head in the last stage's file); 2 pipeline stages
+    (ZeRO-0) train from those files as one rank does; the pipeline checkpoint converts back to
+    the live export's tensors."""
+    staged = tmp_path / "staged"
+    run([f"{BIN}/megagrpo", "convert", "hf-to-pipeline", untied["warm"], str(staged), "--pipeline-parallel-size", "2"])
+    weight_map = json.load(open(staged / "model.safetensors.index.json"))["weight_map"]
+    start = load_file(os.path.join(untied["warm"], "model.safetensors"))
+    assert sorted(weight_map) == sorted(start)
+    assert weight_map["lm_head.weight"] == "model-stage002-of-002.safetensors"
+    assert weight_map["model.embed_tokens.weight"] == "model-stage001-of-002.safetensors"
+    for file in set(weight_map.values()):
+        tensors = load_file(str(staged / file))
+        assert sorted(tensors) == sorted(n for n, f in weight_map.items() if f == file), file
+        assert all(torch.equal(t, start[n]) for n, t in tensors.items()), file
+
+    out = tmp_path / "pp2"
+    proc = train_two_ranks(untied, out, f"model.name_or_path={staged}", "parallel.pipeline_parallel_size=2",
+                           "deepspeed=configs/ds_zero0.json", "checkpoint.save_steps=2")
+    assert "world 2 = dp 1 x tp 1 x pp 2" in proc.stdout
+    values, exported = check_trained(out, untied["warm"])
+    assert_same_run(values, exported, one_rank[1:])
+    assert not torch.equal(exported["lm_head.weight"], exported["model.embed_tokens.weight"])
+
+    converted = tmp_path / "converted"
+    run([f"{BIN}/megagrpo", "convert", "to-hf", str(out / "checkpoints" / "step_00000002"), str(converted)])
+    c = load_file(str(converted / "model-00001.safetensors"))
+    assert sorted(c) == sorted(exported) and all(torch.equal(c[k], exported[k]) for k in exported)
+
+
+@pytest.mark.parametrize("ds", ["ds_zero0", "ds_zero1", "ds_zero2"])
+def test_tensor_parallel(untied, one_rank, tmp_path, ds):
+    """tp=2 (AutoTP; the untied head replicated) under ZeRO 0, 1 and 2 equals one rank."""
+    out = tmp_path / f"tp2_{ds}"
+    proc = train_two_ranks(untied, out, "parallel.tensor_parallel_size=2", f"deepspeed=configs/{ds}.json")
+    assert "world 2 = dp 1 x tp 2 x pp 1" in proc.stdout
+    values, exported = check_trained(out, untied["warm"])
+    assert_same_run(values, exported, one_rank[1:])
+
+
+@pytest.mark.parametrize("extra", [
+    # bf16 with ZeRO-2 and no reference model
+    pytest.param(["model.dtype=bfloat16", "deepspeed=configs/ds_zero2.json", "grpo.kl_coef=0"],
+                 id="bf16-zero2-no-reference"),
+    # ZeRO-3 with parameters and optimizer state offloaded to CPU (DeepSpeed's CPU Adam), with
+    # completions cut at max_new_tokens left out of the loss. A stop string ends some of the
+    # random model's completions before the 8th token (its EOS is rare), so some are cut, not all
+    pytest.param(["deepspeed=configs/ds_zero3_offload.json", "grpo.mask_truncated_completions=true",
+                  "rollout.max_new_tokens=8", "rollout.stop=[e]"], id="zero3-offload-mask-truncated"),
+])
+def test_single_rank_configuration(untied, tmp_path, extra):
+    out = tmp_path / "run"
+    # the first offload run on a machine JIT-compiles DeepSpeed's CPU Adam (minutes on 2 cores)
+    train_one_rank(untied, out, *extra, timeout=840)
+    values, _ = check_trained(out, untied["warm"])
+    if "grpo.kl_coef=0" in extra:  # no reference model, no KL term
+        assert "train/kl" not in values
+    if "grpo.mask_truncated_completions=true" in extra:  # some cut, some trained on
+        clipped = [v for _, v in values["train/completions/clipped_ratio"]]
+        assert max(clipped) > 0 and min(clipped) < 1, clipped
