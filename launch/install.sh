@@ -14,8 +14,9 @@ if command -v mpirun >/dev/null 2>&1; then EXTRAS="$EXTRAS,mpi"; fi
 STAMP="$VENV/.megagrpo-installed-$STACK"
 WANT="$(sha256sum setup.py | cut -c1-16)-$EXTRAS"
 build_deepspeed_ops() {
-  # DeepSpeed JIT-compiles its CPU shared-memory all-reduce op in the first job that needs it,
-  # every rank waiting on a lock meanwhile; built here once, jobs only load it.
+  # DeepSpeed JIT-compiles its CPU ops (the shared-memory all-reduce; CPU Adam for ZeRO
+  # offload) in the first job that needs them, every rank waiting on a lock meanwhile; built
+  # here once, jobs only load them.
   if [ "$STACK" = cpu ]; then
     "$VENV/bin/python" -c "from megagrpo.cluster.distributed import build_cpu_ops; build_cpu_ops()" 2>&1 \
       | grep -E "megagrpo|^DeepSpeed|rror" || true

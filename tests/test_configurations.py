@@ -36,14 +36,11 @@ def untied(tmp_path_factory):
     run([PYTHON, "tools/make_demo_data.py", "--out", paths["data"]])
     run([PYTHON, "tools/make_tiny_model.py", "--out", paths["warm"], "--corpus",
          os.path.join(paths["data"], "sft.jsonl"), "--no-tie-embeddings"])
-    # No pad_token_id in the model's config, as in many released checkpoints. (With one, HF's
-    # embedding gives its row no gradient, padding_idx, while the pipeline's embedding stage
-    # does: a random model samples that token, and pp=2 then differs from one rank.)
-    config_file = os.path.join(paths["warm"], "config.json")
-    config = json.load(open(config_file))
-    config["pad_token_id"] = None
-    with open(config_file, "w") as f:
-        json.dump(config, f, indent=2)
+    # The model's config has a pad_token_id, and a random model samples that token: its
+    # embedding row gets no gradient (padding_idx) in the HF model and in the pipeline's
+    # embedding stage alike, or pp=2 would differ from one rank.
+    config = json.load(open(os.path.join(paths["warm"], "config.json")))
+    assert config["pad_token_id"] is not None
     start = load_file(os.path.join(paths["warm"], "model.safetensors"))
     assert config["tie_word_embeddings"] is False and "lm_head.weight" in start
     assert not torch.equal(start["lm_head.weight"], start["model.embed_tokens.weight"])

@@ -69,11 +69,14 @@ def prepare_op_build(clear_lock: bool = True) -> None:
 
 
 def build_cpu_ops() -> None:
-    """Build DeepSpeed's CPU op now (launch/install.sh), so that jobs only load it."""
+    """Build DeepSpeed's CPU ops now (launch/install.sh), so that jobs only load them: the
+    shared-memory all-reduce every job uses, and CPU Adam, which ZeRO offload uses (its first
+    build takes minutes)."""
     from deepspeed.accelerator import get_accelerator
 
     prepare_op_build()
     get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+    get_accelerator().create_op_builder("CPUAdamBuilder").load()
 
 
 def use_venv_extensions_dir() -> None:

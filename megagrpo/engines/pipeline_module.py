@@ -134,10 +134,11 @@ class Embedding(torch.nn.Module):
     def __init__(self, parts: ModelParts):
         super().__init__()
         self.weight = torch.nn.Parameter(parts.source.tensor("model.embed_tokens.weight"))
+        self.padding_idx = parts.config.pad_token_id  # no gradient for its row, as in the HF model
 
     def forward(self, inputs):
         input_ids, position_ids, predict_at, targets = inputs
-        return F.embedding(input_ids, self.weight), position_ids, predict_at, targets
+        return F.embedding(input_ids, self.weight, self.padding_idx), position_ids, predict_at, targets
 
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
