@@ -12,6 +12,7 @@ import os
 import deepspeed
 import torch
 
+from megagrpo.cluster.topology import Topology
 from megagrpo.config.loading import load_config
 from megagrpo.engines.pipeline_module import build_pipeline_module
 
@@ -32,7 +33,7 @@ def main():
             f"model.name_or_path={args.model}", f"data.train_file={args.data}", "data.eval_file=null",
             "deepspeed=configs/ds_zero0.json", "model.dtype=float32",
             f"model.gradient_checkpointing={str(checkpointing).lower()}"])
-        module = build_pipeline_module(cfg, "sdpa", 1, None)
+        module = build_pipeline_module(cfg, "sdpa", Topology(world_size=1, rank=0, local_rank=0), None)
         module._precompute_checkpointable_values()  # what DeepSpeed's PipelineEngine does
         if checkpointing:
             inner = module.activation_checkpoint_func
