@@ -77,12 +77,12 @@ class PhaseClock:
         self.peak_rss_gib[phase] = _status_gib("VmHWM")
         _reset_peak_rss()
 
-    def metrics(self, group=None) -> dict:
+    def metrics(self) -> dict:
         """time/<phase>, and memory/peak_rss_gib/<phase> and memory/rss_gib as the largest of any
-        rank (over `group`, by default every rank)."""
+        rank."""
         phases = list(self.peak_rss_gib)
         peaks = all_reduce(torch.tensor([self.peak_rss_gib[p] for p in phases] + [_status_gib("VmRSS")],
-                                        dtype=torch.float64), "max", group=group).tolist()
+                                        dtype=torch.float64), "max").tolist()
         out = {f"time/{p}": s for p, s in self.seconds.items()}
         out.update({f"memory/peak_rss_gib/{p}": v for p, v in zip(phases, peaks)})
         out["memory/rss_gib"] = peaks[-1]
