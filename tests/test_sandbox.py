@@ -8,10 +8,14 @@ process, leftover processes) is checked as well.
 No test asserts on wall time (a loaded 2-core machine stretches any bound): a timeout shows as
 status "timeout" with its reason, a kill as the program's missing result; bench/ has timings.
 """
+import errno
+import json
 import os
 import resource
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -19,7 +23,10 @@ import warnings
 import pytest
 
 from megagrpo.rewards.code import CodeReward, extract_code
-from megagrpo.rewards.sandbox import SANDBOX_UID_BASE, Sandbox, SandboxLimits, SandboxUnavailable
+from megagrpo.rewards.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
+from sandbox_host import sandbox_processes, sandbox_processes_after_cleanup  # noqa: E402
 
 TIMEOUT_S = 1.5
 LIMITS = dict(timeout_s=TIMEOUT_S, cpu_s=2, memory_mb=256, file_size_mb=8, processes=16,
@@ -33,65 +40,11 @@ def reward():
     r.close()
 
 
-def _stat(pid: str) -> list[str]:
-    """/proc/<pid>/stat after the command name: [0] is the state, [19] the start time (ticks)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
-
-
-# As root every execution runs under a uid of its own, SANDBOX_UID_BASE + (pid % 1000) * 1000
-# + (n % 1000) (Sandbox._next_uid), pid being this process's: these are this process's uids.
-OWN_SANDBOX_UIDS = range(SANDBOX_UID_BASE + (os.getpid() % 1000) * 1000,
-                         SANDBOX_UID_BASE + (os.getpid() % 1000 + 1) * 1000)
-# Not as root, executions keep this user's uid; every process of one has the program on its
-# command line: setpriv, prlimit and bwrap name /tmp/megagrpo-sandbox-*/main.py (rlimits mode:
-# the program itself), the program in bwrap runs /sandbox/main.py, and what it forks inherits that.
-SANDBOX_MARKERS = (b"/sandbox/main.py", b"/megagrpo-sandbox-")
-THIS_PROCESS_STARTED = int(_stat("self")[19])
-
-
-def sandbox_processes() -> list[int]:
-    """Live processes of this process's sandbox executions, as root or not.
-
-    As root: every process under one of OWN_SANDBOX_UIDS, whatever it runs. Not as root: every
-    process of this user, started after this process, whose command line names the sandbox
-    program (SANDBOX_MARKERS); a sandbox another process of this user runs at the same moment
-    would be counted too (a false failure, never a silent pass). Either way
-    test_the_leak_check_sees_a_running_sandbox proves the check finds a live execution.
-    Zombies are left out: bwrap's pid-namespace init is reparented to the machine's init when
-    the sandbox ends and stays a zombie until that init reaps it; a zombie holds no memory,
-    files or CPU."""
-    me, my_uid = os.getpid(), os.getuid()
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            uid, stat = os.stat(f"/proc/{name}").st_uid, _stat(name)
-            if stat[0] == "Z":
-                continue
-            if uid in OWN_SANDBOX_UIDS:
-                pids.append(int(name))
-            elif uid == my_uid and int(stat[19]) >= THIS_PROCESS_STARTED:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    cmdline = f.read()
-                if any(marker in cmdline for marker in SANDBOX_MARKERS):
-                    pids.append(int(name))
-        except OSError:  # the process ended meanwhile
-            pass
-    return pids
-
-
-def sandbox_processes_after_cleanup() -> list[int]:
-    """sandbox_processes() once it is empty, else what is still there after 30 s. Killed
-    processes take a moment to go (longer on a loaded machine); the bound only ends the wait
-    for a process that was not killed."""
-    deadline = time.monotonic() + 30
-    left = sandbox_processes()
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = sandbox_processes()
-    return left
+@pytest.fixture(scope="module")
+def sandbox():
+    sb = Sandbox(SandboxLimits(**LIMITS), mode="strict")
+    yield sb
+    sb.close()
 
 
 def score(reward, code, tests=("assert True",)):
@@ -117,11 +70,11 @@ def test_the_leak_check_sees_a_running_sandbox():
     runner.start()
     try:
         found = []
-        while not found and runner.is_alive():
+        while len(found) < 3 and runner.is_alive():  # bubblewrap, its pid namespace's init, python
             found = sandbox_processes()
             time.sleep(0.02)
         assert found, f"the leak check did not see the running sandbox: {results}"
-        for pid in found:
+        for pid, _ in found:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -148,7 +101,7 @@ def test_fork_bomb(reward):
     value, reason, comp = score(reward, code)
     assert_contained(value, reason, comp, ["timeout"])
     # the process limit held inside, and the next program starts normally
-    assert score(reward, "X = 1", ["assert X == 1"])[0] == 1.0
+    assert score(reward, "def one():\n    return 1", ["assert one() == 1"])[0] == 1.0
 
 
 def test_fork_bomb_without_retry_hits_the_process_limit(reward):
@@ -300,15 +253,13 @@ def test_all_at_once_in_the_pool(reward):
     assert sandbox_processes_after_cleanup() == []
 
 
-def test_faked_result_lines_and_early_exit_score_zero(reward):
-    fake = 'print(\'{"passed": 9, "total": 9, "seconds": 0.0, "failures": []}\')\nimport os\nos._exit(0)'
-    value, reason, _ = score(reward, fake, ["assert False"])
-    assert value == 0.0 and reason.startswith("no_result:")
-    # sys.exit(0) in the code ends the harness cleanly (exit status 0) before any test ran:
-    # not an error, but no result line either
-    value, reason, comp = score(reward, "import sys\nsys.exit(0)", ["assert False"])
-    assert value == 0.0, (value, reason)
-    assert reason.startswith("no_result:") and comp["fail/no_result"] == 1.0, reason
+def test_early_exit_scores_zero(reward):
+    """sys.exit(0) or os._exit(0) at the top of the code: the tests never ran, an error."""
+    for code, why in (("import sys\nsys.exit(0)", "SystemExit: 0"),
+                      ("import os\nos._exit(0)", "the solution process ended")):
+        value, reason, comp = score(reward, code, ["assert False"])
+        assert value == 0.0 and reason.startswith("error:") and why in reason, reason
+        assert comp["fail/error"] == 1.0
 
 
 def test_code_reward_values_by_hand(reward):
@@ -363,13 +314,12 @@ def test_bubblewrap_isolation_facts():
             "       'uid_inside': os.getuid(), 'ifaces': [n for _, n in socket.if_nameindex()]}\n"
             "try:\n    open('/usr/x', 'w')\nexcept OSError as e:\n    out['usr'] = e.errno\n"
             "print(json.dumps(out))")
-    import errno
     import json
     r = sb.run(code)
     assert r.ok, r.reason
     facts = json.loads(r.stdout)
     assert facts["pid"] <= 3 and set(facts["env"]) <= {"HOME", "LANG", "PATH", "PWD"}
-    assert set(facts["root"]) <= {"usr", "bin", "lib", "lib64", "sbin", "proc", "dev", "tmp", "sandbox"}
+    assert set(facts["root"]) <= {"usr", "bin", "lib", "lib64", "sbin", "proc", "dev", "tmp"}
     assert facts["ifaces"] == ["lo"] and facts["usr"] in (errno.EROFS, errno.EACCES)
     assert signal.getsignal(signal.SIGCHLD) is not None  # this process's handlers are untouched
 
@@ -391,7 +341,7 @@ def test_stdin_is_fed_without_blocking_and_rlimits_mode_cleans_up():
     assert "parent done" in r.stdout, r
     left = sandbox_processes_after_cleanup()
     if left and os.geteuid() != 0:
-        for pid in left:  # the escaped child: end it here, so that no later check counts it
+        for pid, _ in left:  # the escaped child: end it here, so that no later check counts it
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -417,3 +367,143 @@ def test_batch_time_budget_bounds_a_batch_of_hostile_programs():
     assert sum("time budget" in r for r in s.reasons) == 2
     # in submission order: the first four ran (and were killed), the last two never started
     assert ["wall-clock" in r for r in s.reasons] == [True] * 4 + [False] * 2, s.reasons
+
+
+# ---- what issue 13 closed: the root, /dev, syscalls, namespaces, memory, zombies, uids, status
+
+def test_root_and_dev_are_read_only_and_tmp_is_capped(sandbox):
+    """Only /tmp is writable, and only up to its size cap (file_size_mb); /dev holds three
+    devices and the fd links."""
+    code = ("import errno, json, os\nout = {'dev': sorted(os.listdir('/dev'))}\n"
+            "for path in ('/x', '/dev/x', '/dev/shm/x', '/proc/x', '/usr/x'):\n"
+            "    try:\n        open(path, 'wb').write(b'x')\n        out[path] = 'written'\n"
+            "    except OSError as e:\n        out[path] = errno.errorcode[e.errno]\n"
+            "written = 0\n"
+            "try:\n"
+            "    for i in range(64):\n"
+            "        with open(f'/tmp/f{i}', 'wb') as f:\n            f.write(b'x' * 2**20)\n"
+            "        written += 2**20\n"
+            "except OSError as e:\n    out['tmp'] = errno.errorcode[e.errno]\n"
+            "out['tmp_bytes'] = written\nprint(json.dumps(out))")
+    result = sandbox.run(code)
+    assert result.ok, result
+    facts = json.loads(result.stdout)
+    assert facts["dev"] == ["fd", "null", "stderr", "stdin", "stdout", "urandom", "zero"]
+    for path in ("/x", "/dev/x", "/dev/shm/x", "/usr/x"):
+        assert facts[path] in ("EROFS", "ENOENT", "EACCES"), (path, facts)
+    assert facts["/proc/x"] != "written"
+    assert facts["tmp"] == "ENOSPC" and facts["tmp_bytes"] <= LIMITS["file_size_mb"] * 2**20, facts
+
+
+def test_seccomp_refuses_what_no_test_needs(sandbox):
+    """ptrace, io_uring, mount, keyctl, bpf, unshare, setns and process_vm_readv fail with
+    EPERM; getpid still works."""
+    code = ("import ctypes, errno, json\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "libc.syscall.restype = ctypes.c_long\nout = {}\n"
+            "for name, nr in [('ptrace', 101), ('io_uring_setup', 425), ('mount', 165), ('keyctl', 250),\n"
+            "                 ('bpf', 321), ('unshare', 272), ('setns', 308), ('process_vm_readv', 310),\n"
+            "                 ('getpid', 39)]:\n"
+            "    ctypes.set_errno(0)\n"
+            "    ret = libc.syscall(nr, 0, 0, 0, 0, 0)\n"
+            "    out[name] = errno.errorcode.get(ctypes.get_errno(), 'ok') if ret == -1 else 'ok'\n"
+            "print(json.dumps(out))")
+    result = sandbox.run(code)
+    assert result.ok, result
+    facts = json.loads(result.stdout)
+    assert facts.pop("getpid") == "ok"
+    assert facts == {name: "EPERM" for name in facts}, facts
+
+
+def test_no_nested_user_namespaces(sandbox):
+    """clone(CLONE_NEWUSER) is refused (bwrap --disable-userns), as is `unshare -U`."""
+    code = ("import ctypes, errno, os, subprocess\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "libc.syscall.restype = ctypes.c_long\n"
+            "pid = libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)  # clone(CLONE_NEWUSER | SIGCHLD)\n"
+            "if pid == 0:\n    os._exit(0)\n"
+            "print(pid, errno.errorcode.get(ctypes.get_errno()))\n"
+            "print(subprocess.run(['unshare', '-Ur', 'true'], capture_output=True).returncode)")
+    result = sandbox.run(code)
+    assert result.ok, result
+    clone, unshare = result.stdout.split("\n")[:2]
+    assert clone.split()[0] == "-1" and clone.split()[1] in ("ENOSPC", "EPERM", "EUSERS"), clone
+    assert unshare != "0"
+
+
+def test_memory_is_limited_for_the_execution_as_a_whole():
+    """Six children of 150 MB each stay under the per-process limit (256 MB) but not under the
+    execution's: the kernel kills them inside the execution's cgroup (where the machine allows
+    one; else the process limit is FALLBACK_PROCESSES). A longer timeout: the kernel takes its
+    time to reclaim on a loaded machine."""
+    sandbox = Sandbox(SandboxLimits(**{**LIMITS, "timeout_s": 10}), mode="strict")
+    if sandbox.cgroups.problem:
+        assert sandbox.limits.processes <= 4
+        pytest.skip(f"no cgroup here ({sandbox.cgroups.problem}); the process limit is lowered instead")
+    code = ("import os, time\npids = []\nfor _ in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        x = b'\\x01' * (150 * 2**20)\n        time.sleep(1)\n        os._exit(0)\n"
+            "    pids.append(pid)\nprint([os.waitpid(p, 0)[1] for p in pids])")
+    result = sandbox.run(code)
+    assert result.ok, result
+    statuses = json.loads(result.stdout)
+    assert signal.SIGKILL in statuses, statuses
+    # three children of 100 MB (each far under its address-space limit): the execution ends as "memory"
+    code = ("import os, sys, time\npids = []\nfor _ in range(3):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        y = b'\\x02' * (100 * 2**20)\n        time.sleep(1)\n        os._exit(0)\n    pids.append(pid)\n"
+            "sys.exit(1 if any(os.waitpid(p, 0)[1] for p in pids) else 0)")
+    result = sandbox.run(code)
+    sandbox.close()
+    assert result.status == "memory" and "cgroup" in result.reason, result
+    assert sandbox_processes_after_cleanup() == []
+
+
+def test_killed_executions_leave_no_zombie(sandbox):
+    """Timed-out sandboxes are killed through their pid namespace's init, which bubblewrap
+    reaps: nothing is left to a machine init that does not reap (the check counts zombies)."""
+    for code in ("import time\ntime.sleep(60)", "import os, time\nos.fork()\nos.fork()\ntime.sleep(60)"):
+        assert sandbox.run(code).status == "timeout"
+    assert sandbox_processes_after_cleanup() == []
+
+
+def test_uid_blocks_never_collide(sandbox):
+    """Each Sandbox holds a block of uids of its own (a lock file per block): a second one in
+    this process, and one in another process at the same time, get other blocks."""
+    if os.geteuid() != 0:
+        pytest.skip("only root runs executions under uids of their own")
+    other = Sandbox(SandboxLimits(**LIMITS), mode="strict")
+    code = ("from megagrpo.rewards.sandbox import Sandbox\nimport sys\n"
+            "print(Sandbox(mode='strict').uid_base)\nsys.stdout.flush()\nsys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        child_base = int(child.stdout.readline())
+    finally:
+        child.communicate("")
+    other.close()
+    assert len({sandbox.uid_base, other.uid_base, child_base}) == 3
+
+
+def test_printed_bwrap_lines_do_not_change_the_status(sandbox):
+    code = "import sys\nprint('bwrap: Can\\'t create file at /tmp: No space left', file=sys.stderr)\nsys.exit(1)"
+    result = sandbox.run(code)
+    assert result.status == "error" and "bwrap:" in result.reason, result
+
+
+def test_a_private_tmpdir_does_not_stop_the_sandbox(tmp_path, monkeypatch):
+    """Programs reach the sandbox in memory files, so a 0700 TMPDIR of root's is no obstacle."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    sb = Sandbox(SandboxLimits(**LIMITS), mode="strict")
+    assert sb.run("print('ok')").stdout == "ok\n"
+    sb.close()
+
+
+def test_a_sandbox_that_cannot_run_anything_says_so_at_once(tmp_path):
+    """No interpreter that runs: `auto` warns that bubblewrap is not in use, then refuses,
+    instead of scoring every correct program 0."""
+    with pytest.warns(RuntimeWarning, match="bubblewrap is not in use"):
+        with pytest.raises(SandboxUnavailable, match="would score every program 0"):
+            Sandbox(SandboxLimits(**LIMITS), mode="auto", python="/bin/false")
+    with pytest.raises(Exception, match="would score every program 0"):
+        CodeReward(sandbox="auto", **LIMITS, python="/bin/false") if False else \
+            Sandbox(SandboxLimits(**LIMITS), mode="rlimits", python="/bin/false")

@@ -15,13 +15,14 @@ A process joins before it runs anything of the program: the sandbox command star
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 
-def _own_paths() -> dict[str, str]:
+def own_cgroup_paths() -> dict[str, str]:
     """{controller or "" (v2): path of this process's cgroup} from /proc/self/cgroup."""
     paths = {}
     try:
@@ -46,7 +47,7 @@ class ExecutionCgroups:
     def _find_parents(self, root: str) -> str | None:
         if os.geteuid() != 0:
             return "not root (a process joins its cgroup before dropping to the sandbox uid)"
-        own = _own_paths()
+        own = own_cgroup_paths()
         v1 = {c: os.path.join(root, c, own[c].lstrip("/")) for c in ("memory", "pids") if c in own}
         if "memory" in v1:
             parents = {c: p for c, p in v1.items() if os.access(p, os.W_OK)}
@@ -104,7 +105,7 @@ class Cgroup:
 
     def join_prefix(self) -> list[str]:
         """A command prefix that moves the process into this cgroup, then execs the rest."""
-        script = "".join(f'echo $$ > "{p}/cgroup.procs" && ' for p in self.paths) + 'exec "$@"'
+        script = "".join(f'echo $$ > "{p}/cgroup.procs" && ' for p in self.paths) + 'unset PWD OLDPWD; exec "$@"'
         return ["/bin/sh", "-c", script, "sh"]
 
     def oom_killed(self) -> bool:
@@ -120,6 +121,26 @@ class Cgroup:
                 except (OSError, ValueError):
                     continue
         return False
+
+    def kill_all(self) -> None:
+        """SIGKILL every process in this cgroup (until none is left, or 2 s)."""
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            pids = set()
+            for path in self.paths:
+                try:
+                    with open(os.path.join(path, "cgroup.procs")) as f:
+                        pids |= {int(line) for line in f if line.strip()}
+                except (OSError, ValueError):
+                    pass
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.01)
 
     def remove(self) -> None:
         """rmdir each directory once its processes are gone (they were killed; give them a moment)."""

@@ -222,39 +222,44 @@ class SandboxProcess:
                     self.child_pid = pid
 
     def kill(self) -> None:
-        """SIGKILL the sandbox. Under bubblewrap: its pid namespace's init, so that bubblewrap
-        reaps it and exits (killing bubblewrap first would leave the init to the machine's init);
-        then, should bubblewrap still run, its process group. Without bubblewrap: the process
-        group and every process of the execution's uid."""
-        if self.popen.poll() is not None:
-            return
-        if self._status_fd is not None:
-            self.poll_start(wait_s=0.5)
-            if self.child_pid is not None:
+        """SIGKILL the sandbox and reap it. Under bubblewrap: its pid namespace's init, so that
+        bubblewrap reaps it and exits (killing bubblewrap first would leave the init to the
+        machine's init, a zombie where that init does not reap); then, should bubblewrap still
+        run, its process group. Whatever of the execution still lives after that (a process
+        that left the group, or one orphaned by a bubblewrap killed from outside) dies with
+        the execution's cgroup or uid."""
+        if self.popen.poll() is None:
+            if self._status_fd is not None:
+                self.poll_start(wait_s=0.5)
+                if self.child_pid is not None:  # alive while bubblewrap, its parent, is
+                    try:
+                        os.kill(self.child_pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    try:
+                        self.popen.wait(timeout=2.0)
+                    except subprocess.TimeoutExpired:
+                        pass
+            if self.popen.poll() is None:
                 try:
-                    os.kill(self.child_pid, signal.SIGKILL)
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                try:
+                    self.popen.kill()
                 except ProcessLookupError:
                     pass
-                try:
-                    self.popen.wait(timeout=2.0)
-                    return
-                except subprocess.TimeoutExpired:
-                    pass
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.popen.kill()
-        except ProcessLookupError:
-            pass
+        self.popen.wait()
+        if self.cgroup is not None:
+            self.cgroup.kill_all()
+        elif self._kill_uid is not None:
+            self._kill_uid()
 
     def stop(self) -> tuple[int, bool]:
         """Kill (if running), reap, release: (return code, whether its cgroup hit the memory limit)."""
-        self.kill()
+        if self.popen.poll() is None or self._status_fd is None:  # rlimits only: forks may outlive it
+            self.kill()
         returncode = self.popen.wait()
-        if self._status_fd is None and self._kill_uid is not None:
-            self._kill_uid()
         self.poll_start()
         for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if stream is not None:
@@ -489,7 +494,7 @@ class Sandbox:
             for fd in (started_w, status_w, seccomp_fd, *memory_fds):
                 if fd is not None:
                     os.close(fd)
-        kill_uid = (lambda: self._kill_uid(uid)) if uid is not None and not self.isolated else None
+        kill_uid = (lambda: self._kill_uid(uid)) if uid is not None else None
         return SandboxProcess(popen, started_r, status_r, cgroup, kill_uid, workdir)
 
     # ---- one execution ------------------------------------------------------------------------
