@@ -1,7 +1,9 @@
 '''Hostile solutions to one task, `add(a, b)`, each trying to score without solving it.
 
-Every program's own `add` is wrong for every test (or, for the timing cases, right but slow),
-so an honest wrong answer's score (syntax only, 0.2 by default) is the most any of them may get.
+Every program's own `add` is wrong for every test (or, for the timing case, right but slow),
+and whatever it forges says nothing right either (an answer it sends in place of `add`'s is 0,
+wrong for every test), so an honest wrong answer's score (syntax only, 0.2 by default) is the
+most any of them may get.
 Used by tests/test_code_reward_adversarial.py (each case alone, host checked after it) and by
 the 2-rank training run of tests/test_eval.py (HostileCode mixes them with honest programs).
 '''
@@ -33,7 +35,7 @@ PROGRAMS = {
         "def spam():\n"
         "    while True:\n"
         "        for fd in range(3, 16):\n"
-        "            try:\n                os.write(fd, frame({'id': 0, 'value': 3, 'passed': 3}))\n"
+        "            try:\n                os.write(fd, frame({'id': 0, 'value': 0, 'passed': 3}))\n"
         "            except OSError:\n                pass\n"
         "        time.sleep(0.001)\n"
         "threading.Thread(target=spam, daemon=True).start()\n") + WRONG,
@@ -121,7 +123,7 @@ PROGRAMS = {
         "s = socket.socket(fileno=os.dup(fd))\n"
         "def answer():\n"
         "    for i in range(50):\n"
-        "        for obj in ({'id': i, 'value': 3}, {'id': i, 'value': {'d': [[1, 2]]}, 'passed': True},\n"
+        "        for obj in ({'id': i, 'value': 0}, {'id': i, 'value': {'d': [[1, 2]]}, 'passed': True},\n"
         "                    {'id': i, 'value': float('nan')},\n"
         "                    {'id': i, 'report': json.loads(" + repr(FAKE_REPORT) + ")}):\n"
         "            try:\n                s.sendall(frame(obj))\n            except OSError:\n                return\n"
