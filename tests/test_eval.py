@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import BIN, free_port, run, tiny_overrides, write_jsonl
+from conftest import BIN, ROOT, free_port, run, tiny_overrides, write_jsonl
 from test_e2e import scalars
 from test_reward_suite import make_reward_model, reference_scores
 
@@ -132,7 +132,9 @@ def test_megagrpo_eval_on_vllm(tiny, tmp_path):
 def test_grpo_with_code_reward_and_reward_model(tiny, tmp_path):
     """2 ranks, ZeRO-3, through the deepspeed launcher: the code reward runs tiny-model
     completions in the sandbox, a reward model (a ZeRO-3 inference engine) adds its score by
-    weight; the reward metrics and eval metrics land in TensorBoard."""
+    weight; the reward metrics and eval metrics land in TensorBoard. A third reward judges, in
+    every batch, honest programs mixed with hostile ones (tests/helpers/hostile_programs.py,
+    the quick ones): the run goes to its end, honest ones score 1 and hostile ones at most 0.2."""
     rm = make_reward_model(tiny, tmp_path / "rm")
     train = write_jsonl(tmp_path / "train.jsonl",
                         code_rows(os.path.join(tiny["data"], "train.jsonl"), 64, with_reference=False))
@@ -140,14 +142,21 @@ def test_grpo_with_code_reward_and_reward_model(tiny, tmp_path):
                            code_rows(os.path.join(tiny["data"], "eval.jsonl"), 4, with_reference=True))
     out = tmp_path / "run"
     rewards = ("[{name: code, weight: 1.0, args: {workers: 2, timeout_s: 3, sandbox: strict}}, "
-               f"{{name: reward_model, weight: 0.1, args: {{path: '{rm}', batch_size: 8}}}}]")
+               f"{{name: reward_model, weight: 0.1, args: {{path: '{rm}', batch_size: 8}}}}, "
+               "{name: 'hostile_programs:HostileCode', weight: 0.1, "
+               "args: {workers: 2, timeout_s: 3, sandbox: strict}}]")
     run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
          "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
          *tiny_overrides(tiny, out), f"data.train_file={train}", f"data.eval_file={held_out}",
          "rollout.engine=hf", "grpo.max_steps=2", "grpo.per_device_train_batch_size=16",
          "checkpoint.save_hf_at_end=false", "logging.eval_steps=2", "logging.eval_num_generations=2",
-         f"rewards.functions={rewards}"])
+         f"rewards.functions={rewards}"],
+        env={"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "helpers")])})
     values, _ = scalars(str(out / "tensorboard"))
+    hostile = "train/rewards/hostile_programs:HostileCode"
+    # half honest (1.0), half hostile (<= 0.2 each): the mean lies in [0.5, 0.6]
+    assert [s for s, _ in values[f"{hostile}/mean"]] == [1, 2], sorted(values)
+    assert all(0.5 - 1e-6 <= v <= 0.6 + 1e-6 for _, v in values[f"{hostile}/mean"]), values[f"{hostile}/mean"]
     for name in ("rewards/code/mean", "rewards/code/syntax", "rewards/code/tests", "rewards/code/efficiency",
                  "rewards/code/fail/syntax_error", "rewards/code/fail/timeout", "rewards/reward_model/mean",
                  "reward"):

@@ -34,7 +34,7 @@ MAX_FAILURES, FAILURE_CHARS = 3, 300
 
 @dataclass
 class Verdict:
-    status: str  # "ok", a sandbox status, "no_result" or "invalid_report"
+    status: str  # "ok", a sandbox status or "invalid_report"
     reason: str
     report: dict | None  # validated; None unless status is "ok"
     wall_s: float

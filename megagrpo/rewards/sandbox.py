@@ -353,6 +353,9 @@ class Sandbox:
         self.setpriv = shutil.which("setpriv")
         self.kill = shutil.which("kill")
         self.as_root = os.geteuid() == 0
+        if self.as_root and not self.setpriv:
+            raise SandboxUnavailable("running as root, the sandbox needs `setpriv` (util-linux) to drop each "
+                                     "execution to a uid of its own")
         self.uid_base, self._uid_lock = _claim_uid_block() if self.as_root else (None, None)
         self._count, self._long_lived, self._count_lock = 0, 0, threading.Lock()
         self.cgroups = ExecutionCgroups()
@@ -489,6 +492,8 @@ class Sandbox:
                     os.close(fd)
             if cgroup is not None:
                 cgroup.remove()
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
             raise
         finally:
             for fd in (started_w, status_w, seccomp_fd, *memory_fds):
