@@ -11,12 +11,19 @@ across the ranks as they load, no optimizer state), like the frozen reference; o
 plain eval module on this rank's device. Completions are scored in batches of `batch_size`;
 under ZeRO-3 every rank runs the same number of forward passes (a rank with fewer batches
 runs one-token dummies), since each forward gathers parameters collectively.
+
+A completion is cut at CHARS_PER_TOKEN x max_length characters before it is tokenized (the
+tokens past max_length are dropped anyway), and text UTF-8 cannot encode (lone surrogates)
+is replaced, so that no completion can make tokenizing slow or fail.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+# Characters of a completion kept per token of max_length: tokens average 3-5 characters.
+CHARS_PER_TOKEN = 32
 
 
 class RewardModel:
@@ -72,13 +79,17 @@ class RewardModel:
             model.config.pad_token_id = self.tokenizer.pad_token_id
 
     def render(self, prompt, completion: str) -> str:
-        """Prompt + completion as the reward model reads them (its chat template when it has one)."""
+        """Prompt + completion as the reward model reads them (its chat template when it has one),
+        the completion cut at CHARS_PER_TOKEN x max_length characters, lone surrogates as '?'."""
+        completion = completion[:CHARS_PER_TOKEN * self.max_length]
         if self.use_chat_template:
             messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-            return self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 messages + [{"role": "assistant", "content": completion}], tokenize=False)
-        text = prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt)
-        return text + completion
+        else:
+            text = prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt)
+            text = text + completion
+        return text.encode("utf-8", "replace").decode("utf-8")
 
     @torch.no_grad()
     def __call__(self, prompts, completions, **_) -> list[float]:
@@ -100,6 +111,9 @@ class RewardModel:
             logits = self.model(input_ids=enc["input_ids"].to(self.device),
                                 attention_mask=enc["attention_mask"].to(self.device)).logits
             scores.extend(float(v) for v in logits[:, 0].float().cpu())
-        if any(not math.isfinite(s) for s in scores):
-            raise ValueError("reward_model produced a non-finite score")
-        return scores
+        finite = [s for s in scores if math.isfinite(s)]
+        if scores and not finite:
+            raise ValueError("reward_model produced no finite score in the batch: is the model broken?")
+        # a completion that drives the model to inf/NaN scores as the batch's lowest
+        lowest = min(finite, default=0.0)
+        return [s if math.isfinite(s) else lowest for s in scores]

@@ -7,10 +7,20 @@ customer_service returns its components too, which the trainer logs as
 """
 from __future__ import annotations
 
+import json
+import math
+import os
 import re
+import select
+import subprocess
+import sys
 import threading
+import time
+from contextlib import nullcontext, suppress
+from typing import TYPE_CHECKING
 
-from megagrpo.rewards import Scores, length_penalty
+if TYPE_CHECKING:
+    from megagrpo.rewards import Scores
 
 _WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
 
@@ -39,11 +49,8 @@ def prompt_text(prompt) -> str:
 
 def extract_keywords(query: str, min_length: int = 3) -> list[str]:
     """Distinct lowercase words of the query, in order, without stopwords or short words."""
-    seen = []
-    for word in _WORD.findall(query.lower()):
-        if len(word) >= min_length and word not in STOPWORDS and not word.isdigit() and word not in seen:
-            seen.append(word)
-    return seen
+    words = _WORD.findall(query.lower())
+    return list(dict.fromkeys(w for w in words if len(w) >= min_length and w not in STOPWORDS and not w.isdigit()))
 
 
 def keyword_coverage(completion: str, keywords: list[str]) -> float:
@@ -60,14 +67,19 @@ def keyword_coverage(completion: str, keywords: list[str]) -> float:
 
 _ANALYZER = None
 
+# VADER's time grows with the square of the words (an emoji counts as the words of its name):
+# 1,000 characters of one emoji take over a second, 500 a quarter of that.
+FRIENDLINESS_CHARS = 500
+
 
 def friendliness(text: str) -> float:
-    """VADER's compound sentiment mapped from [-1, 1] to [0, 1]."""
+    """VADER's compound sentiment of the first FRIENDLINESS_CHARS characters, mapped from
+    [-1, 1] to [0, 1]."""
     global _ANALYZER
     if _ANALYZER is None:
         from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
         _ANALYZER = SentimentIntensityAnalyzer()
-    return (_ANALYZER.polarity_scores(text)["compound"] + 1.0) / 2.0
+    return (_ANALYZER.polarity_scores(text[:FRIENDLINESS_CHARS])["compound"] + 1.0) / 2.0
 
 
 def customer_service(prompts, completions, keywords=None, solved_weight: float = 0.5,
@@ -76,6 +88,8 @@ def customer_service(prompts, completions, keywords=None, solved_weight: float =
     """solved_weight x keyword coverage + friendly_weight x friendliness + length_weight x
     (1 - |len - target| / target). Keywords come from the row's `keywords` field (a list or a
     comma-separated string) or, without one, from the query's content words."""
+    from megagrpo.rewards import Scores, length_penalty
+
     solved, friendly = [], []
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
         row = keywords[i] if keywords is not None else None
@@ -92,33 +106,119 @@ def customer_service(prompts, completions, keywords=None, solved_weight: float =
 
 # ---- math ---------------------------------------------------------------------------------------
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# The final answer is at the end, and math-verify's regexes slow down on long texts.
+MAX_ANSWER_CHARS = 1000
 
 
-def _math_timeout():
-    """math-verify times out with SIGALRM, which only the main thread may set."""
-    return 5 if threading.current_thread() is threading.main_thread() else None
+def _delimited(text: str) -> str:
+    """A bare expression as LaTeX math (math-verify reads math between delimiters)."""
+    return text if "$" in text or "\\boxed" in text else f"${text.strip()}$"
 
 
-def math_accuracy(prompts, completions, answer=None, **_) -> list[float]:
-    """1.0 when the completion's final answer (inside <answer> tags when present, else the
-    whole completion; \\boxed{} preferred) is mathematically equal to the row's `answer`
-    (math-verify: LaTeX, fractions, decimals, sets, ...), else 0.0."""
+def answer_text(completion: str) -> str:
+    """What math_accuracy reads: the inside of the last <answer>...</answer> (as LaTeX math)
+    when there is one, else the whole completion; at most its last MAX_ANSWER_CHARS characters."""
+    end = completion.rfind("</answer>")
+    start = completion.rfind("<answer>", 0, end) if end >= 0 else -1
+    if start < 0:
+        return completion[-MAX_ANSWER_CHARS:]
+    return _delimited(completion[start + len("<answer>"):end][-MAX_ANSWER_CHARS:])
+
+
+def _equal(reference: str, text: str, timeout_s: int) -> bool:
+    """math-verify: does `text` hold an answer equal to `reference`? Parsing it may take
+    timeout_s seconds, the comparison what is left of them (at least 1). False on any error.
+    The timeouts are SIGALRM's: call this in a main thread."""
     from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
 
+    try:
+        gold = parse(_delimited(reference), parsing_timeout=timeout_s)
+        start = time.monotonic()
+        predicted = parse(text, parsing_timeout=timeout_s)
+        left = max(1, math.ceil(timeout_s - (time.monotonic() - start)))
+        return bool(gold) and bool(predicted) and bool(verify(gold, predicted, timeout_seconds=left))
+    except (Exception, TimeoutException):
+        return False
+
+
+class _MathChild:
+    """`_equal` in a child process, for callers off the main thread. There SIGALRM is unusable,
+    so math-verify would run without a timeout, and a short answer such as 10^{10^{10^{10}}}
+    computes for ever (in C, which no Python timeout interrupts). The child runs `_equal` in its
+    own main thread; one silent for timeout_s + 2 s is killed, and the next check starts another."""
+
+    def __init__(self):
+        self.proc = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                with suppress(OSError):  # a write the dead child never read
+                    pipe.close()
+            self.proc = None
+
+    def _reply(self, seconds: float) -> bytes | None:
+        """The child's next line (b"" when it died), None after `seconds` without one."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], seconds)
+        return os.read(self.proc.stdout.fileno(), 64).strip() if ready else None  # one short line
+
+    def __call__(self, reference: str, text: str, timeout_s: int) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            self._stop()
+        if self.proc is None:
+            # this file as a script (runpy: not through the package, which imports torch)
+            code = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
+            self.proc = subprocess.Popen([sys.executable, "-c", code, __file__], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            if self._reply(120) != b"ready":
+                self._stop()
+                raise RuntimeError("math_accuracy: the math-verify child process did not start")
+        try:
+            self.proc.stdin.write(json.dumps([reference, text, timeout_s]).encode() + b"\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # died since the last check
+            self._stop()
+            return False
+        reply = self._reply(timeout_s + 2)
+        if reply not in (b"0", b"1"):  # stuck or dead
+            self._stop()
+        return reply == b"1"
+
+
+def _serve_math_child() -> None:
+    """The child of _MathChild: a JSON [reference, text, timeout_s] per line in, 1 or 0 out."""
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # anything else printed goes to stderr
+    import math_verify  # noqa: F401 - loaded before "ready"
+
+    out.write(b"ready\n")
+    for line in sys.stdin.buffer:
+        reference, text, timeout_s = json.loads(line)
+        out.write(b"1\n" if _equal(reference, text, timeout_s) else b"0\n")
+
+
+def math_accuracy(prompts, completions, answer=None, timeout_s: int = 5, **_) -> list[float]:
+    """1.0 when the completion's final answer (see answer_text; \\boxed{} preferred) is
+    mathematically equal to the row's `answer` (math-verify: LaTeX, fractions, decimals, sets,
+    ...), else 0.0. Checking one completion takes at most about timeout_s seconds (+1, +2 off
+    the main thread); one that runs out, or that math-verify cannot read, scores 0."""
     if answer is None:
         raise ValueError("math_accuracy needs an 'answer' field in every data row")
-    timeout = _math_timeout()
-    delimited = lambda text: text if "$" in text or "\\boxed" in text else f"${text.strip()}$"  # noqa: E731
-    scores = []
-    for completion, reference in zip(completions, answer):
-        gold = parse(delimited(str(reference)), parsing_timeout=timeout)
-        tagged = _ANSWER_TAG.findall(completion)
-        # an <answer> tag holds a bare expression: read it as LaTeX math
-        predicted = parse(delimited(tagged[-1]) if tagged else completion, parsing_timeout=timeout)
-        ok = bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=timeout)
-        scores.append(1.0 if ok else 0.0)
-    return scores
+    if not (isinstance(timeout_s, int) and timeout_s >= 1):
+        raise ValueError(f"math_accuracy: timeout_s must be a whole number of seconds >= 1, not {timeout_s!r}")
+    in_main = threading.current_thread() is threading.main_thread()
+    with (nullcontext(_equal) if in_main else _MathChild()) as equal:
+        return [1.0 if equal(str(reference), answer_text(completion), timeout_s) else 0.0
+                for completion, reference in zip(completions, answer)]
 
 
 _THINK_ANSWER = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
@@ -129,9 +229,10 @@ def think_answer_format(prompts, completions, **_) -> list[float]:
     each tag exactly once and the answer not empty; else 0.0."""
     scores = []
     for c in completions:
-        m = _THINK_ANSWER.fullmatch(c)
+        # the counts first: with each tag once the regex is linear, with many it is quadratic
         once = all(c.count(tag) == 1 for tag in ("<think>", "</think>", "<answer>", "</answer>"))
-        scores.append(1.0 if m and once and m.group(2).strip() else 0.0)
+        m = once and _THINK_ANSWER.fullmatch(c)
+        scores.append(1.0 if m and m.group(2).strip() else 0.0)
     return scores
 
 
@@ -162,3 +263,7 @@ def overlong_penalty(prompts, completions, completion_length=None, max_new_token
         else:
             scores.append(-1.0)
     return scores
+
+
+if __name__ == "__main__":  # the child process of _MathChild
+    _serve_math_child()
