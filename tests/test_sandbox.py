@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -296,6 +297,8 @@ def test_rlimits_only_mode_warns_and_still_limits():
 
 
 def test_strict_mode_refuses_without_bubblewrap(tmp_path, monkeypatch):
+    for tool in ("setpriv", "prlimit", "kill"):  # the rest of the sandbox's tools stay
+        os.symlink(shutil.which(tool), tmp_path / tool)
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on PATH
     with pytest.raises(SandboxUnavailable, match="sandbox: strict, but bubblewrap cannot run"):
         Sandbox(SandboxLimits(**LIMITS), mode="strict")
@@ -303,6 +306,17 @@ def test_strict_mode_refuses_without_bubblewrap(tmp_path, monkeypatch):
         warnings.simplefilter("always")
         sb = Sandbox(SandboxLimits(**LIMITS), mode="auto")
     assert not sb.isolated and any("bwrap is not installed" in str(w.message) for w in caught)
+
+
+def test_root_without_setpriv_refuses(tmp_path, monkeypatch):
+    """As root, setpriv drops each execution to its own uid: without it nothing runs."""
+    if os.geteuid() != 0:
+        pytest.skip("only root drops to sandbox uids")
+    for tool in ("bwrap", "prlimit", "kill"):
+        os.symlink(shutil.which(tool), tmp_path / tool)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SandboxUnavailable, match="needs `setpriv`"):
+        Sandbox(SandboxLimits(**LIMITS), mode="auto")
 
 
 def test_bubblewrap_isolation_facts():
