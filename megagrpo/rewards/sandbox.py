@@ -43,6 +43,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import platform
 import selectors
 import shutil
 import signal
@@ -384,12 +385,12 @@ class Sandbox:
             if problem is not None:
                 raise SandboxUnavailable(f"sandbox: not even an rlimits-only program runs here ({problem}); "
                                          "the code reward would score every program 0")
-
-    def describe(self) -> dict:
-        """What isolates an execution here (for logs and docs)."""
-        return {"bubblewrap": self.isolated, "seccomp": self.isolated and self.has_seccomp,
-                "cgroup": self.cgroups.problem or "per execution", "own_uid": self.as_root,
-                "processes": self.limits.processes}
+        missing = [f"no seccomp filter for {platform.machine()}"] if self.isolated and not self.has_seccomp else []
+        if self.cgroups.problem:
+            missing.append(f"no cgroup per execution ({self.cgroups.problem}), so the process limit is "
+                           f"{self.limits.processes} and memory is bounded by processes x memory_mb")
+        if missing:
+            warnings.warn("megagrpo sandbox: " + "; ".join(missing), RuntimeWarning, stacklevel=2)
 
     # ---- the command line ---------------------------------------------------------------------
 
