@@ -469,6 +469,29 @@ def test_memory_is_limited_for_the_execution_as_a_whole():
     assert sandbox_processes_after_cleanup() == []
 
 
+def _zombies_of(parents: set[int]) -> list[str]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) in parents:
+            found.append(name)
+    return found
+
+
+def test_an_execution_that_ends_by_itself_leaves_no_zombie(sandbox):
+    """bubblewrap does not reap its pid namespace's init when the program ends by itself; the
+    init comes to this process (a child subreaper), which reaps it: right after each run no
+    zombie is left, neither ours nor the machine init's."""
+    before = set(_zombies_of({1, os.getpid()}))
+    for code in ("print(1)", "import sys\nsys.exit(3)", "import os\nos.fork()"):
+        sandbox.run(code)
+        assert set(_zombies_of({1, os.getpid()})) - before == set()
+
+
 def test_killed_executions_leave_no_zombie(sandbox):
     """Timed-out sandboxes are killed through their pid namespace's init, which bubblewrap
     reaps: nothing is left to a machine init that does not reap (the check counts zombies)."""

@@ -40,6 +40,7 @@ program are results, never exceptions: a status from a fixed set and a reason.
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
@@ -165,6 +166,56 @@ def _memory_file(name: str, text: str) -> int:
     return fd
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _adopt_orphans() -> None:
+    """Make this process the reaper of its descendants' orphans. bubblewrap exits without
+    reaping its pid namespace's init when the program ends by itself; the init then comes to us
+    (not to a machine init that may never reap it), and SandboxProcess.stop() reaps it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reap(pid: int, wait_s: float = 2.0) -> None:
+    """waitpid the orphaned init `pid` once it has ended; nothing if it is not our child."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not ours, or reaped already
+            return
+        if done or time.monotonic() > deadline:
+            return
+        time.sleep(0.001)
+
+
+def _reap_orphans(uid: int, wait_s: float = 2.0) -> None:
+    """Reap the processes of this execution's own uid that came to us as orphans (killed by a
+    sweep), waiting up to wait_s for the killed ones to end."""
+    me, deadline = os.getpid(), time.monotonic() + wait_s
+    while True:
+        running = False
+        for name in os.listdir("/proc"):
+            try:
+                if not name.isdigit() or os.stat(f"/proc/{name}").st_uid != uid:
+                    continue
+                with open(f"/proc/{name}/stat") as f:
+                    state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+            except OSError:
+                continue
+            if int(parent) == me:
+                if state == "Z":
+                    _reap(int(name), 0.0)
+                else:
+                    running = True
+        if not running or time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
+
+
 def _claim_uid_block():
     """(first uid, lock file): a block of UIDS_PER_SANDBOX uids no other Sandbox on this machine
     holds, for as long as the lock file stays open (a dead process's lock goes with it)."""
@@ -184,8 +235,8 @@ class SandboxProcess:
     and its cgroup. `stop()` ends it and reaps everything; call it exactly once."""
 
     def __init__(self, popen: subprocess.Popen, started_fd: int, status_fd: int | None,
-                 cgroup: Cgroup | None, kill_uid=None, workdir: str | None = None):
-        self.popen, self.cgroup, self.workdir = popen, cgroup, workdir
+                 cgroup: Cgroup | None, kill_uid=None, workdir: str | None = None, uid: int | None = None):
+        self.popen, self.cgroup, self.workdir, self.uid = popen, cgroup, workdir, uid
         self._started_fd, self._status_fd, self._kill_uid = started_fd, status_fd, kill_uid
         self._status = b""
         self.started = False
@@ -255,6 +306,8 @@ class SandboxProcess:
             self.cgroup.kill_all()
         elif self._kill_uid is not None:
             self._kill_uid()
+        if self.uid is not None:
+            _reap_orphans(self.uid)
 
     def stop(self) -> tuple[int, bool]:
         """Kill (if running), reap, release: (return code, whether its cgroup hit the memory limit)."""
@@ -262,6 +315,8 @@ class SandboxProcess:
             self.kill()
         returncode = self.popen.wait()
         self.poll_start()
+        if self.child_pid is not None:
+            _reap(self.child_pid)
         for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if stream is not None:
                 stream.close()
@@ -363,6 +418,7 @@ class Sandbox:
         if not self.cgroups.available():
             self.limits = replace(self.limits, processes=min(self.limits.processes, FALLBACK_PROCESSES))
         self.has_seccomp = seccomp.filter_program() is not None
+        _adopt_orphans()
         self.isolated = False
         problem = None
         if mode != "rlimits":
@@ -501,7 +557,7 @@ class Sandbox:
                 if fd is not None:
                     os.close(fd)
         kill_uid = (lambda: self._kill_uid(uid)) if uid is not None else None
-        return SandboxProcess(popen, started_r, status_r, cgroup, kill_uid, workdir)
+        return SandboxProcess(popen, started_r, status_r, cgroup, kill_uid, workdir, uid)
 
     # ---- one execution ------------------------------------------------------------------------
 
