@@ -48,6 +48,13 @@ def sandbox():
     sb.close()
 
 
+def run_json(sandbox, code):
+    """What a program that prints one JSON value printed (it must succeed)."""
+    result = sandbox.run(code)
+    assert result.ok, result
+    return json.loads(result.stdout)
+
+
 def score(reward, code, tests=("assert True",)):
     s = reward(["q"], [f"```python\n{code}\n```"], tests=[list(tests)])
     return s[0], s.reasons[0], {k: v[0] for k, v in s.components.items()}
@@ -399,9 +406,7 @@ def test_root_and_dev_are_read_only_and_tmp_is_capped(sandbox):
             "        written += 2**20\n"
             "except OSError as e:\n    out['tmp'] = errno.errorcode[e.errno]\n"
             "out['tmp_bytes'] = written\nprint(json.dumps(out))")
-    result = sandbox.run(code)
-    assert result.ok, result
-    facts = json.loads(result.stdout)
+    facts = run_json(sandbox, code)
     assert facts["dev"] == ["fd", "null", "stderr", "stdin", "stdout", "urandom", "zero"]
     for path in ("/x", "/dev/x", "/dev/shm/x", "/usr/x"):
         assert facts[path] in ("EROFS", "ENOENT", "EACCES"), (path, facts)
@@ -421,9 +426,7 @@ def test_seccomp_refuses_what_no_test_needs(sandbox):
             "    ret = libc.syscall(nr, 0, 0, 0, 0, 0)\n"
             "    out[name] = errno.errorcode.get(ctypes.get_errno(), 'ok') if ret == -1 else 'ok'\n"
             "print(json.dumps(out))")
-    result = sandbox.run(code)
-    assert result.ok, result
-    facts = json.loads(result.stdout)
+    facts = run_json(sandbox, code)
     assert facts.pop("getpid") == "ok"
     assert facts == {name: "EPERM" for name in facts}, facts
 
