@@ -21,6 +21,7 @@ class Prompt:
     prompt: object               # the user's prompt text, or the messages list
     token_ids: list[int]         # chat-template-rendered prompt, tokenized
     fields: dict = field(default_factory=dict)  # every other row field, for the rewards
+    messages: list = field(default_factory=list)  # the prompt as chat messages (system, user, ...)
 
 
 _LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -81,21 +82,23 @@ def _row_messages(row: dict, where: str, prompt_field: str, system_prompt) -> tu
 
 
 def load_prompts(path: str, tokenizer, max_prompt_length: int, prompt_field: str = "prompt",
-                 system_prompt=None, split: str = "train") -> tuple[list[Prompt], int]:
-    """Render and tokenize every row; returns (prompts, number dropped as too long)."""
+                 system_prompt=None, split: str = "train", tools=None) -> tuple[list[Prompt], int]:
+    """Render and tokenize every row (with the tools' JSON schemas, when given, for the chat
+    template to show); returns (prompts, number dropped as too long)."""
     rows, places = load_rows(path, split)
     if not rows:
         raise DataError(f"{path}: no rows")
     prompts, dropped = [], 0
     for row, where in zip(rows, places):
         prompt, messages = _row_messages(row, where, prompt_field, system_prompt)
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_length:
             dropped += 1
             continue
         fields = {k: v for k, v in row.items() if k not in (prompt_field, "messages", "system_prompt")}
-        prompts.append(Prompt(prompt=prompt, token_ids=ids, fields=fields))
+        prompts.append(Prompt(prompt=prompt, token_ids=ids, fields=fields, messages=messages))
     if not prompts:
         raise DataError(f"{path}: all {len(rows)} prompts are longer than data.max_prompt_length="
                         f"{max_prompt_length} tokens; raise it")

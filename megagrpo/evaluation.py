@@ -14,7 +14,10 @@ writes `logging.eval_num_generations` completions (greedy when 1, sampled otherw
 - distinct_1/2/3: distinct n-grams / all n-grams over all completions (whitespace tokens)
 
 Results go to TensorBoard (`eval/*`) and JSON, and every completion with its scores and
-reasons to a samples file (JSONL).
+reasons to a samples file (JSONL). With tools (rollout.max_turns > 1) each completion is a
+multi-turn trajectory run by the same loop as training: the rewards score its last turn, and
+the samples file holds every whole conversation (`trajectories`: messages with tool calls and
+tool results).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import sys
 import torch
 
 from megagrpo.rewards import compute_rewards
+from megagrpo.rollout.agent import answer_texts, completion_fields
 from megagrpo.rollout.engines import EVAL_STEP, sampling_seed
 
 # ---- metrics (pure functions of texts and counts) ----------------------------------------------
@@ -88,25 +92,22 @@ def score_prompts(prompts, indices: list[int], generate, score, tokenizer, rewar
                   field_names: list[str], num_generations: int, reference_field: str,
                   max_new_tokens: int, seed: int) -> list[dict]:
     """Records of this rank's held-out prompts: completions, rewards, reasons and reference
-    log-likelihood. `generate(prompt_ids, n, seeds, greedy)` is the rollout engine's (or the
+    log-likelihood. `generate(prompts, n, seeds, greedy)` samples from data.Prompts (the
     trainer's, which shares samples within a model group); `score(token_ids, prompt_len)`
     gives the log-probs of the tail (None: no perplexity). compute_rewards runs even with no
     prompts, since a reward model's forward passes are collective."""
     n = num_generations
-    texts, lengths = [], []
-    if prompts:
-        groups = generate([p.token_ids for p in prompts], n=n,
-                          seeds=[sampling_seed(seed, EVAL_STEP, i) for i in indices], greedy=n == 1)
-        for group in groups:
-            texts.append(tokenizer.batch_decode([c.token_ids for c in group], skip_special_tokens=True))
-            lengths.append([len(c.token_ids) for c in group])
+    groups = generate(prompts, n=n, seeds=[sampling_seed(seed, EVAL_STEP, i) for i in indices],
+                      greedy=n == 1) if prompts else []
+    completions = [c for group in groups for c in group]
+    flat_texts = answer_texts(completions, tokenizer)
+    texts = [flat_texts[j * n:(j + 1) * n] for j in range(len(prompts))]
     flat_prompts = [p for p in prompts for _ in range(n)]
     fields = {key: [p.fields.get(key) for p in flat_prompts] for key in field_names}
-    fields["completion_length"] = [x for row in lengths for x in row]
-    fields["max_new_tokens"] = [max_new_tokens] * len(flat_prompts)
+    fields.update(completion_fields(completions, max_new_tokens))
     details = {}
     total, per_function = compute_rewards(reward_functions, [p.prompt for p in flat_prompts],
-                                          [t for row in texts for t in row], fields, details)
+                                          flat_texts, fields, details)
     reasons = details.get("reasons", {})
     records = []
     for j, prompt in enumerate(prompts):
@@ -118,6 +119,8 @@ def score_prompts(prompts, indices: list[int], generate, score, tokenizer, rewar
                               for f, rf in enumerate(reward_functions)},
                   "reasons": {name: r[rows] for name, r in reasons.items()},
                   "ref_logprob": None, "ref_tokens": 0}
+        if "messages" in fields:
+            record["trajectories"] = fields["messages"][rows]
         if reference is not None and score is not None:
             ref_ids = tokenizer(str(reference), add_special_tokens=False)["input_ids"][:max_new_tokens]
             if ref_ids:
@@ -219,7 +222,9 @@ def main(argv=None) -> int:
     from megagrpo.engines.models import load_tokenizer
     from megagrpo.metrics import MetricsLogger, quiet_library_output
     from megagrpo.rewards import RewardError, build_reward_functions, close_reward_functions
+    from megagrpo.rollout.agent import AgentLoop
     from megagrpo.rollout.engines import build_rollout_engine
+    from megagrpo.rollout.tools import Toolset
 
     overrides = list(args.overrides) + [f"model.name_or_path={args.model}",
                                         f"data.eval_file={args.data}", f"data.train_file={args.data}"]
@@ -233,19 +238,28 @@ def main(argv=None) -> int:
     topology = init_distributed()
     try:
         tokenizer = load_tokenizer(cfg.model.name_or_path)
+        toolset = Toolset(cfg) if cfg.rollout.max_turns > 1 else None
         prompts, dropped = load_prompts(cfg.data.eval_file, tokenizer, cfg.data.max_prompt_length,
-                                        cfg.data.prompt_field, cfg.data.system_prompt, cfg.data.eval_split)
+                                        cfg.data.prompt_field, cfg.data.system_prompt, cfg.data.eval_split,
+                                        toolset.schemas if toolset else None)
         functions = build_reward_functions(cfg.rewards.functions, cfg)
         rollout = build_rollout_engine(cfg, seed=cfg.grpo.seed + topology.rank)
+        if toolset:
+            generate = AgentLoop(cfg, rollout, tokenizer, toolset).generate
+        else:
+            def generate(chosen, n, seeds, greedy):
+                return rollout.generate([p.token_ids for p in chosen], n=n, seeds=seeds, greedy=greedy)
         indices = list(range(topology.rank, len(prompts), topology.world_size))
-        records = score_prompts([prompts[i] for i in indices], indices, rollout.generate, rollout.score,
+        records = score_prompts([prompts[i] for i in indices], indices, generate, rollout.score,
                                 tokenizer, functions, sorted(prompts[0].fields) if prompts else [],
                                 cfg.logging.eval_num_generations, cfg.data.reference_field,
                                 cfg.rollout.max_new_tokens, cfg.grpo.seed)
         records = gather_records(records)
         results = summarize(records, [f.name for f in functions], cfg.logging.eval_num_generations)
         close_reward_functions(functions)
-    except (DataError, RewardError) as e:
+        if toolset:
+            toolset.close()
+    except (DataError, RewardError, ConfigError) as e:
         print(f"megagrpo: error: {e}", file=sys.stderr)
         return 1
     if topology.is_main:

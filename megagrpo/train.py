@@ -2,7 +2,8 @@
 
 Runs as one process, under `deepspeed --num_gpus N --module megagrpo.train`, or torchrun.
 One step:
-    prompts -> rollout (G completions each) -> rewards -> group advantages
+    prompts -> rollout (G completions each; multi-turn with tools: rollout/agent.py)
+    -> rewards -> group advantages
     -> reference (and old-policy) logprobs -> mu passes of clipped, KL-penalised updates
     -> weight sync into the rollout engine -> metrics, checkpoint
 The policy engine (engines/) hides the parallel layout: this loop is the same for all of them.
@@ -45,8 +46,10 @@ from megagrpo.rewards import (
     component_metrics,
     compute_rewards,
 )
+from megagrpo.rollout.agent import AgentLoop, agent_metrics, answer_texts, completion_fields
 from megagrpo.rollout.batch import make_batch
 from megagrpo.rollout.engines import build_rollout_engine, sampling_seed
+from megagrpo.rollout.tools import Toolset
 from megagrpo.rollout.weight_sync import sync_weights
 
 
@@ -57,14 +60,16 @@ class Trainer:
         self.device = torch.device(f"cuda:{topology.local_rank}" if torch.cuda.is_available() else "cpu")
         self.log = lambda msg: print(f"[megagrpo] {msg}", flush=True) if topology.is_main else None
         self.tokenizer = load_tokenizer(cfg.model.name_or_path)
+        self.toolset = Toolset(cfg) if cfg.rollout.max_turns > 1 else None
+        tools = self.toolset.schemas if self.toolset else None
         self.prompts, dropped = load_prompts(data.train_file, self.tokenizer, data.max_prompt_length,
-                                             data.prompt_field, data.system_prompt, data.split)
+                                             data.prompt_field, data.system_prompt, data.split, tools)
         self.log(f"{len(self.prompts)} training prompts; {dropped} dropped as longer than "
                  f"data.max_prompt_length={data.max_prompt_length}")
         self.eval_prompts = []
         if data.eval_file:
             self.eval_prompts, _ = load_prompts(data.eval_file, self.tokenizer, data.max_prompt_length,
-                                                data.prompt_field, data.system_prompt, data.eval_split)
+                                                data.prompt_field, data.system_prompt, data.eval_split, tools)
         self.reward_functions = build_reward_functions(cfg.rewards.functions, cfg)
         completions_per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
         self.sampler = PromptSampler(len(self.prompts), completions_per_rank // g.num_generations,
@@ -75,6 +80,7 @@ class Trainer:
         # every rank builds a rollout engine (vLLM's external launcher forms its groups over
         # all ranks); the first rank of each model group samples for the group
         self.rollout = build_rollout_engine(cfg, seed=g.seed + topology.dp_rank)
+        self.agent = AgentLoop(cfg, self.rollout, self.tokenizer, self.toolset) if self.toolset else None
         self.metrics = MetricsLogger(cfg.output_dir, topology.is_main and cfg.logging.report_to == "tensorboard")
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         os.makedirs(cfg.output_dir, exist_ok=True)
@@ -120,6 +126,8 @@ class Trainer:
         if self.topo.is_main and results:
             evaluation.write_results(cfg.output_dir, results)
         close_reward_functions(self.reward_functions)
+        if self.toolset:
+            self.toolset.close()
         self.metrics.close()
         self.log(f"done: {self.step} steps. Watch with: tensorboard --logdir {self.metrics.log_dir}")
         return results
@@ -133,16 +141,16 @@ class Trainer:
         self._record_prompts(indices)
         prompts = [self.prompts[i] for i in indices]
 
-        # rollout: G completions per prompt, with the sampler's logprobs
-        groups = self.generate([p.token_ids for p in prompts], n=g.num_generations,
+        # rollout: G completions (or multi-turn trajectories) per prompt, with the sampler's logprobs
+        groups = self.generate(prompts, n=g.num_generations,
                                seeds=[sampling_seed(g.seed, self.step, i) for i in indices])
         completions = [c for group in groups for c in group]
         prompt_of = [p for p in prompts for _ in range(g.num_generations)]
         clock.lap("rollout")
 
         # rewards and group advantages (groups never leave their rank; batch std is global)
-        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        rewards, per_function, details = self.score(prompt_of, texts, [len(c.token_ids) for c in completions])
+        texts = answer_texts(completions, self.tokenizer)
+        rewards, per_function, details = self.score(prompt_of, texts, completions)
         global_rewards = all_gather_1d(rewards, self.topo.dp_group)
         advantages = grpo.group_advantages(rewards, g.num_generations, g.scale_rewards,
                                            batch_std=global_rewards.std())
@@ -167,22 +175,30 @@ class Trainer:
         self.sync_rollout_weights()
         clock.lap("weight_sync")
         if self.topo.is_main and self.cfg.logging.sample_steps and (self.step + 1) % self.cfg.logging.sample_steps == 0:
-            table = samples_markdown(prompts[0].prompt, texts[:g.num_generations],
+            shown = texts if self.agent is None else [  # whole trajectories: turns and tool results
+                self.tokenizer.decode(c.token_ids) for c in completions[:g.num_generations]]
+            table = samples_markdown(prompts[0].prompt, shown[:g.num_generations],
                                      rewards[:g.num_generations].tolist())
             self.metrics.text(self.step + 1, "samples", table)
         metrics.update(rollout_metrics(global_rewards, per_function, advantages, batch,
                                        [rf.name for rf in self.reward_functions], g.num_generations,
                                        sum(clock.seconds.values()), self.topo.dp_group))
         metrics.update(component_metrics(details, self.topo.dp_group))
+        if self.agent is not None:
+            metrics.update(agent_metrics(completions, self.agent.tool_wall_seconds, self.topo.dp_group))
         metrics.update(clock.metrics())
         return {k: float(v) for k, v in metrics.items()}
 
-    def generate(self, prompt_ids, n, seeds, greedy=False):
-        """Sample on the first rank of each model group and share its completions with the
-        group, so that every rank trains on the same tokens."""
+    def generate(self, prompts: list[Prompt], n, seeds, greedy=False):
+        """Sample on the first rank of each model group (one engine call, or the multi-turn
+        loop) and share its completions with the group, so that every rank trains on the same
+        tokens."""
         groups = None
         if self.topo.samples_rollout:
-            groups = self.rollout.generate(prompt_ids, n=n, seeds=seeds, greedy=greedy)
+            if self.agent is not None:
+                groups = self.agent.generate(prompts, n=n, seeds=seeds, greedy=greedy)
+            else:
+                groups = self.rollout.generate([p.token_ids for p in prompts], n=n, seeds=seeds, greedy=greedy)
             self.rollout.sleep()
         if self.topo.model_group is not None:
             box = [groups]
@@ -191,12 +207,11 @@ class Trainer:
             groups = box[0]
         return groups
 
-    def score(self, prompts: list[Prompt], texts: list[str], lengths: list[int]):
+    def score(self, prompts: list[Prompt], texts: list[str], completions: list):
         """Weighted total and per-function rewards, and the details (components, reasons) of
         the rewards that give them."""
         fields = {key: [p.fields.get(key) for p in prompts] for key in prompts[0].fields}
-        fields["completion_length"] = lengths
-        fields["max_new_tokens"] = [self.cfg.rollout.max_new_tokens] * len(texts)
+        fields.update(completion_fields(completions, self.cfg.rollout.max_new_tokens))
         details = {}
         total, per_function = compute_rewards(self.reward_functions, [p.prompt for p in prompts], texts,
                                               fields, details)

@@ -1,6 +1,8 @@
-"""Write the quickstart's verifiable task: short additions with an exact answer.
+"""Write the quickstart's verifiable tasks: short additions, or (--task multiply) products of
+two 3-digit numbers that the tiny model can only get right through the `python` tool.
 
     python tools/make_demo_data.py --out runs/tiny/data
+    python tools/make_demo_data.py --task multiply --out runs/agent/data
 
 Writes train.jsonl and eval.jsonl (GRPO prompts, disjoint) with rows
 {"prompt": "What is 3 + 4?", "answer": "7"}, and sft.jsonl for the optional warm start
@@ -8,6 +10,14 @@ Writes train.jsonl and eval.jsonl (GRPO prompts, disjoint) with rows
 ("3 + 4 = 7. Answer: 7", always right) and a bare guess ("Answer: 8", off by one or two,
 never right), the guess more than twice as often. A model warm-started on it answers greedily
 with a guess and is mostly wrong; GRPO with the answer_match reward has to discover that the worked answer pays.
+
+--task multiply writes rows {"prompt": "123*456=?", "answer": "56088"}; its warm-start rows
+are multi-turn ({"prompt", "turns": [...]}, see tools/warm_start.py) and teach two behaviours:
+call the tool and copy its result (<tool_call>{"name": "python", "arguments": {"code":
+"print(123*456)"}}</tool_call>, then the tool's "56088", then "Answer:56088"), or answer
+directly with a guess near the product (never right), the guess more often. GRPO has to learn
+that the tool pays. Numbers are written without spaces, so a number is the same tokens in the
+prompt, the code, the tool's output and the answer.
 """
 import argparse
 import json
@@ -33,18 +43,65 @@ def sft_completion(row: dict, rng: random.Random, worked_share: float) -> str:
     return f"Answer: {max(0, a + b + rng.choice([-2, -1, 1, 2]))}"
 
 
+def products(count: int, rng: random.Random) -> list[dict]:
+    pairs = set()
+    while len(pairs) < count:
+        pairs.add((rng.randint(100, 999), rng.randint(100, 999)))
+    return [{"prompt": f"{a}*{b}=?", "answer": str(a * b), "a": a, "b": b} for a, b in sorted(pairs)]
+
+
+def tool_turns(row: dict, rng: random.Random, tool_share: float) -> list[dict]:
+    """A warm-start conversation after the prompt: the tool path, or a direct wrong guess."""
+    a, b = row["a"], row["b"]
+    if rng.random() < tool_share:
+        call = json.dumps({"name": "python", "arguments": {"code": f"print({a}*{b})"}})
+        return [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                {"role": "tool", "name": "python", "content": f"{a * b}\n"},
+                {"role": "assistant", "content": f"Answer:{a * b}"}]
+    guess = a * b + rng.choice([-1, 1]) * rng.randint(1, 50) * 10
+    return [{"role": "assistant", "content": f"Answer:{guess}"}]
+
+
+def main_multiply(args, rng: random.Random) -> None:
+    rows = products(args.problems, rng)
+    rng.shuffle(rows)
+    n_eval = int(len(rows) * args.eval_share)
+    splits = {"eval": rows[:n_eval], "train": rows[n_eval:]}
+    os.makedirs(args.out, exist_ok=True)
+    for name, split in splits.items():
+        with open(os.path.join(args.out, f"{name}.jsonl"), "w") as f:
+            for row in split:
+                f.write(json.dumps({"prompt": row["prompt"], "answer": row["answer"]}) + "\n")
+    with open(os.path.join(args.out, "sft.jsonl"), "w") as f:
+        for row in splits["train"]:
+            for _ in range(args.sft_copies):
+                f.write(json.dumps({"prompt": row["prompt"],
+                                    "turns": tool_turns(row, rng, args.worked_share)}) + "\n")
+    print(f"wrote {len(splits['train'])} train, {n_eval} eval products and "
+          f"{len(splits['train']) * args.sft_copies} warm-start conversations to {args.out}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--max-operand", type=int, default=9, help="operands are 0..N (default 9)")
+    p.add_argument("--task", choices=["add", "multiply"], default="add",
+                   help="add: short additions (default); multiply: 3-digit products, learned with the python tool")
+    p.add_argument("--max-operand", type=int, default=9, help="add: operands are 0..N (default 9)")
+    p.add_argument("--problems", type=int, default=2000, help="multiply: number of distinct products")
     p.add_argument("--eval-share", type=float, default=0.2, help="share of prompts held out")
-    p.add_argument("--sft-copies", type=int, default=8, help="warm-start samples per prompt")
+    p.add_argument("--sft-copies", type=int, default=None,
+                   help="warm-start samples per prompt (default 8 for add, 2 for multiply)")
     p.add_argument("--worked-share", type=float, default=0.3,
-                   help="share of warm-start answers that are worked (always right)")
+                   help="share of warm-start answers that are worked (add) or use the tool (multiply), "
+                        "always right")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
     rng = random.Random(args.seed)
+    if args.sft_copies is None:
+        args.sft_copies = 2 if args.task == "multiply" else 8
+    if args.task == "multiply":
+        return main_multiply(args, rng)
     rows = problems(args.max_operand)
     rng.shuffle(rows)
     n_eval = int(len(rows) * args.eval_share)

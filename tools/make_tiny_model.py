@@ -9,8 +9,9 @@ embeddings, rope theta) with random weights; any flag given as well overrides it
 tokenizer has exactly vocab_size tokens: the BPE trained on the corpus, then padded with merges
 of existing tokens (so the vocabulary is real BPE, and every id can be sampled and decoded).
 
-The tokenizer is trained on the string fields of the corpus JSONL files (plus printable ASCII,
-so that any text encodes) and carries a ChatML chat template; <|im_end|> is the EOS token.
+The tokenizer is trained on the strings of the corpus JSONL files (nested ones included, plus
+printable ASCII, so that any text encodes) and carries a ChatML chat template that also renders
+tools and tool results (Qwen2.5's layout, shortened); <|im_end|> is the EOS token.
 The model is randomly initialised with transformers' own init (std 0.02) and saved as
 safetensors; head_dim is 64 (vLLM's CPU attention refuses smaller heads).
 """
@@ -23,9 +24,22 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+# ChatML. With tools, a system block lists them in one line (name(arguments)), and `tool`
+# messages go back as a user turn of <tool_response> blocks, as Qwen2.5's template does; without
+# tools the rendering is plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "Tools:{% for tool in tools %} {{ tool['function']['name'] }}("
+    "{{ tool['function']['parameters']['properties'] | list | join(', ') }}){% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -43,13 +57,23 @@ def corpus_texts(paths: list[str]):
     yield string.printable
     for role in ("system", "user", "assistant"):
         yield f"{role}\n"
+    yield "Tools: <tool_call></tool_call>\n<tool_response>\n</tool_response>"  # the template's tool markup
     for path in paths:
         with open(path) as f:
             for line in f:
-                row = json.loads(line)
-                for value in row.values():
-                    if isinstance(value, str):
-                        yield value
+                yield from _strings(json.loads(line))
+
+
+def _strings(value):
+    """Every string in a JSON value (messages lists and nested objects included)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
 
 
 def build_tokenizer(paths: list[str], vocab_size: int, pad_to_size: bool = False) -> PreTrainedTokenizerFast:

@@ -1,29 +1,51 @@
-"""Optional warm start: a short supervised pass over {"prompt", "completion"} rows.
+"""Optional warm start: a short supervised pass over {"prompt", "completion"} rows, or
+multi-turn {"prompt", "turns": [assistant, tool, ..., assistant]} rows (with --tools).
 
     python tools/warm_start.py --model runs/tiny/model --data runs/tiny/data/sft.jsonl \
         --out runs/tiny/warm --steps 600
+    python tools/warm_start.py --tools python --model runs/agent/model --data runs/agent/data/sft.jsonl \
+        --out runs/agent/warm
 
-The loss covers the completion and its EOS only; the prompt is rendered with the tokenizer's
-chat template exactly as the GRPO trainer renders it. One process, plain PyTorch AdamW. This is
-a separate, documented step of the quickstart: it gives the tiny model a policy that GRPO can
-improve within minutes on 2 CPU cores.
+The loss covers the assistant's tokens and their EOS only; the prompt is rendered with the
+tokenizer's chat template exactly as the GRPO trainer renders it (with the tools' schemas),
+and tool messages are tokenised exactly as the multi-turn rollout inserts them
+(megagrpo.rollout.agent.ToolMessageRenderer), outside the loss. One process, plain PyTorch
+AdamW. This is a separate, documented step of the quickstart: it gives the tiny model a policy
+that GRPO can improve within minutes on 2 CPU cores.
 """
 import argparse
 import json
+import os
 import random
+import sys
 import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megagrpo.rollout.agent import ToolMessageRenderer
+from megagrpo.rollout.tools import PYTHON_SCHEMA
 
-def encode(tokenizer, row: dict) -> tuple[list[int], list[int]]:
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
-                                           tokenize=False, add_generation_prompt=True)
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    completion_ids = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
-    completion_ids.append(tokenizer.eos_token_id)
-    return prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_ids
+
+def encode(tokenizer, row: dict, tools=None, renderer=None) -> tuple[list[int], list[int]]:
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                           add_generation_prompt=True, **({"tools": tools} if tools else {}))
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    labels = [-100] * len(ids)
+    turns = row["turns"] if "turns" in row else [{"role": "assistant", "content": row["completion"]}]
+    pending_tools = []
+    for turn in turns + [None]:
+        if turn is not None and turn["role"] == "tool":
+            pending_tools.append(turn)
+            continue
+        if pending_tools:
+            tool_ids, _ = renderer.render(pending_tools, model_ended_with_eos=True)
+            ids, labels, pending_tools = ids + tool_ids, labels + [-100] * len(tool_ids), []
+        if turn is not None:
+            turn_ids = tokenizer(turn["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ids, labels = ids + turn_ids, labels + turn_ids
+    return ids, labels
 
 
 def main(argv=None):
@@ -35,6 +57,10 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tools", nargs="*", default=[], choices=["python"],
+                   help="tools whose schemas the prompts show (as rollout.tools does)")
+    p.add_argument("--max-tool-response-tokens", type=int, default=256,
+                   help="as rollout.max_tool_response_tokens")
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -42,7 +68,9 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     with open(args.data) as f:
-        examples = [encode(tokenizer, json.loads(line)) for line in f if line.strip()]
+        tools = [PYTHON_SCHEMA] if "python" in args.tools else None
+        renderer = ToolMessageRenderer(tokenizer, args.max_tool_response_tokens)
+        examples = [encode(tokenizer, json.loads(line), tools, renderer) for line in f if line.strip()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / args.steps))

@@ -111,5 +111,6 @@ def markdown() -> str:
               "Accepted at the top level of the YAML and on the command line; each lands in its section.", "",
               "| name | setting |", "| --- | --- |"]
     lines += [f"| `{name}` | `{target}` |" for name, target in schema.ALIASES.items()]
-    lines += ["| `use_vllm` | `rollout.engine`: true is `vllm`, false is `hf` |", ""]
+    lines += ["| `use_vllm` | `rollout.engine`: true is `vllm`, false is `hf` |",
+              "| `max_tool_calling_iterations` | `rollout.max_turns`: tool rounds + 1 |", ""]
     return "\n".join(lines)

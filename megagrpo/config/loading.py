@@ -28,7 +28,12 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def _canonical(key: str, value: Any) -> tuple[str, Any]:
-    """A TRL-style name -> its dotted place; use_vllm -> rollout.engine."""
+    """A TRL-style name -> its dotted place; use_vllm -> rollout.engine; TRL's
+    max_tool_calling_iterations (tool rounds) -> rollout.max_turns (model turns, one more)."""
+    if key == "max_tool_calling_iterations":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"max_tool_calling_iterations: expected an integer >= 0, got {value!r}")
+        return "rollout.max_turns", value + 1
     if key == "use_vllm":
         if not isinstance(value, bool):
             raise ConfigError(f"use_vllm: expected true or false, got {value!r}")
@@ -127,7 +132,8 @@ def _build(cls, raw: Any, path: str):
     for key, value in raw.items():
         where = f"{path}.{key}" if path else key
         if key not in names:
-            candidates = names + ([a for a in ALIASES] + ["use_vllm"] if not path else [])
+            candidates = names + ([a for a in ALIASES] + ["use_vllm", "max_tool_calling_iterations"]
+                                  if not path else [])
             close = difflib.get_close_matches(key, candidates, n=1)
             fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
             raise ConfigError(f"unknown config key '{where}' ({fix})")

@@ -136,6 +136,18 @@ class GRPOConfig:
 
 
 @dataclass
+class ToolConfig:
+    """One tool the model may call in a multi-turn rollout (docs/agents.md)."""
+
+    name: str = ""
+    """`python` (built-in: runs the call's code in the sandbox, returns its stdout or error) or
+    a dotted path module:function (its schema from its type hints and docstring)."""
+    args: dict = field(default_factory=dict)
+    """For python: sandbox limits (timeout_s, cpu_s, memory_mb, file_size_mb, open_files,
+    processes, output_bytes) and mode (auto, strict, rlimits)."""
+
+
+@dataclass
 class RolloutConfig:
     """Generation: the engine and its sampling settings, and the weight sync."""
 
@@ -157,11 +169,35 @@ class RolloutConfig:
     cpu_kv_cache_gb: float = 0.25
     """On CPU: GiB of RAM vLLM reserves for its KV cache (per rank)."""
     max_model_len: Optional[int] = None
-    """vLLM context length; defaults to max_prompt_length + max_new_tokens."""
+    """vLLM context length and a trajectory's token budget (prompt + every turn + tool
+    messages); defaults to max_prompt_length + max_new_tokens, and with max_turns > 1 to
+    max_prompt_length + max_turns x max_new_tokens + (max_turns - 1) x
+    (max_tool_response_tokens + 32)."""
     sleep: bool = True
     """On GPU, put vLLM to sleep while the trainer runs (ignored on CPU)."""
     sync_bucket_mb: int = 256
     """Size of the parameter buckets gathered out of ZeRO-3 for the weight sync."""
+    max_turns: int = 1
+    """Model turns per trajectory. 1: single-turn completions (no tools). > 1: the model may
+    call tools (rollout.tools, rollout.environment) and continues after their results until a
+    turn without a tool call, max_turns, or the token budget (max_model_len)."""
+    tools: list[ToolConfig] = field(default_factory=list)
+    """Tools offered to the model (rendered by the chat template), e.g. [{name: python},
+    {name: my_pkg.tools:lookup}]; needs max_turns > 1."""
+    environment: Optional[str] = None
+    """module:Class: one instance per trajectory; its public methods are tools; optional
+    reset(**row_fields), get_reward() (the `environment` reward) and close()."""
+    tool_call_parser: str = "hermes"
+    """How tool calls are read from a turn: hermes (<tool_call>{"name", "arguments"}</tool_call>,
+    Qwen/Hermes templates) or module:function(text) -> list of rollout.tools.ParsedCall."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock limit of one function or environment call (python: its sandbox timeout_s)."""
+    max_tool_response_tokens: int = 256
+    """A tool result longer than this many tokens is cut, with a marker the model sees."""
+    max_tool_calls_per_turn: int = 4
+    """Calls beyond this in one turn are not run; each gets an error message."""
+    tool_workers: int = 2
+    """Sandboxed python calls running at once (per rank)."""
 
 
 @dataclass
@@ -169,7 +205,7 @@ class RewardFunctionConfig:
     """One reward function of the weighted sum."""
 
     name: str = ""
-    """Built-in name (answer_match, format, length_penalty, customer_service, math_accuracy,
+    """Built-in name (answer_match, format, length_penalty, environment, customer_service, math_accuracy,
     think_answer_format, overlong_penalty, code, reward_model) or dotted path module:function."""
     weight: float = 1.0
     """Weight of this function in the summed reward."""
@@ -234,6 +270,15 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     output_dir: str = "runs/megagrpo"
     """Where TensorBoard logs, checkpoints, eval results and the final HF model go."""
+
+
+def max_sequence_length(cfg: Config) -> int:
+    """The longest prompt + completion (every turn and tool message) a rollout can make."""
+    r = cfg.rollout
+    if r.max_model_len:
+        return r.max_model_len
+    tool_room = (r.max_turns - 1) * (r.max_tool_response_tokens + 32)  # 32: the template's own tokens
+    return cfg.data.max_prompt_length + r.max_turns * r.max_new_tokens + tool_room
 
 
 # TRL-style flat names (GRPOConfig's) and where they live.

@@ -1,6 +1,7 @@
 """Checks of a built Config, before any model is built: ranges, files, divisibility. Rules
 that belong to a part of the system live beside it and are called from here: the parallel
-layout's in cluster/plan.py, reward names in the reward registry (rewards/__init__.py)."""
+layout's in cluster/plan.py, reward names in the reward registry (rewards/__init__.py), the
+multi-turn settings beside the tools (rollout/tools.py)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import os
 from megagrpo.cluster.plan import check_layout
 from megagrpo.config.schema import Config, ConfigError, require
 from megagrpo.rewards import check_reward_names
+from megagrpo.rollout.tools import check_tools
 
 
 def validate(cfg: Config, training: bool = True) -> None:
@@ -76,6 +78,10 @@ def validate(cfg: Config, training: bool = True) -> None:
             "rewards.functions is empty: add at least one, e.g. "
             "[{name: answer_match, weight: 1.0}]")
     check_reward_names(cfg.rewards.functions)
+    check_tools(cfg)
+    require(not any(fn.name == "environment" for fn in cfg.rewards.functions) or bool(cfg.rollout.environment),
+            "rewards.functions: the 'environment' reward reads the get_reward() of rollout.environment, "
+            "which is not set; set rollout.environment=module:Class or remove the reward")
     if isinstance(cfg.deepspeed, str):
         require(os.path.isfile(cfg.deepspeed),
                  f"deepspeed: file '{cfg.deepspeed}' does not exist; use one of configs/ds_*.json "

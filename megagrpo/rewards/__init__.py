@@ -76,8 +76,16 @@ def length_penalty(prompts, completions, target: int = 150, **_) -> list[float]:
     return [max(-1.0, 1.0 - abs(len(c) - target) / target) for c in completions]
 
 
+def environment_reward(prompts, completions, environment_reward=None, **_) -> list[float]:
+    """The get_reward() of each trajectory's environment instance (rollout.environment)."""
+    if environment_reward is None or any(v is None for v in environment_reward):
+        raise ValueError("the 'environment' reward needs rollout.environment with a get_reward() method")
+    return [float(v) for v in environment_reward]
+
+
 BUILTINS: dict[str, Callable] = {
     "answer_match": answer_match,
+    "environment": environment_reward,
     "format": format_match,
     "length_penalty": length_penalty,
 }

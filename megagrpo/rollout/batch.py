@@ -1,6 +1,10 @@
 """What a step carries: the sampler's Completions, and the RolloutBatch made of them (prompts and
 completions as padded tensors) with micro-batches of it.
 
+A multi-turn completion (rollout/agent.py) is every token after the prompt, sampled turns and
+inserted tool messages alike; its model_mask becomes completion_mask, so the loss and every
+per-token statistic cover the sampled tokens only.
+
 Layout: prompts left-padded to P, completions right-padded to C, so that position P-1+t of the
 logits predicts completion token t. Position ids count real tokens only, as the sampler does.
 """
@@ -17,6 +21,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     truncated: bool  # stopped by max_new_tokens, not by EOS or a stop string
+    model_mask: Optional[list[int]] = None  # 1 where the model sampled the token (0: tool message); None: all
 
 
 _FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")
@@ -93,7 +98,7 @@ def make_batch(prompt_ids: list[list[int]], completions: list[Completion],
         if n:
             input_ids[i, P:P + n] = torch.tensor(c.token_ids)
             sampler_logp[i, :n] = torch.tensor(c.logprobs)
-            completion_mask[i, :n] = 1
+            completion_mask[i, :n] = 1 if c.model_mask is None else torch.tensor(c.model_mask, dtype=torch.float)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return RolloutBatch(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

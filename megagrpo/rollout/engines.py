@@ -1,7 +1,7 @@
 """Rollout engines: sample G completions per prompt and take new weights in place.
 
 Both engines have the same interface:
-    generate(prompt_ids, n, seeds, greedy=False) -> per prompt, n Completions
+    generate(prompt_ids, n, seeds, greedy=False, max_tokens=None) -> per prompt, n Completions
     load_weights(named_tensors)   # a stream of (HF name, tensor); no restart, no disk
     sleep() / wake_up()           # free accelerator memory while the trainer runs
 
@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-from megagrpo.config.schema import Config
+from megagrpo.config.schema import Config, max_sequence_length
 from megagrpo.rollout.batch import Completion
 
 
@@ -52,27 +52,33 @@ class VLLMEngine:
             # On CPU vLLM sizes its KV cache as a share of RAM minus this process's RSS, which
             # is fragile next to a trainer; reserve a fixed size instead.
             kwargs["kv_cache_memory_bytes"] = int(r.cpu_kv_cache_gb * 2**30)
+            # A seeded request whose prompt is prefilled in chunks fails on CPU ("CPU Generator
+            # does not use offset", vllm 0.32): prefill whole prompts (docs/upstream-issues.md).
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(4096, max_sequence_length(cfg))
         self.llm = LLM(
             model=model_path, dtype=cfg.model.dtype, seed=seed,
             distributed_executor_backend="external_launcher", tensor_parallel_size=1,
             gpu_memory_utilization=r.gpu_memory_utilization,
-            max_model_len=r.max_model_len or (cfg.data.max_prompt_length + r.max_new_tokens),
+            max_model_len=max_sequence_length(cfg),
             logprobs_mode="processed_logprobs", enable_sleep_mode=self.can_sleep,
-            enforce_eager=not _on_gpu(), enable_prefix_caching=False, **kwargs)
+            # multi-turn rollouts send each trajectory's growing prefix again every turn
+            enforce_eager=not _on_gpu(), enable_prefix_caching=r.max_turns > 1, **kwargs)
         tied = bool(getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False))
         logging.getLogger(RELOAD_LOGGER).addFilter(_ExpectedReloadWarnings(tied))
 
     def generate(self, prompt_ids: list[list[int]], n: int, seeds: list[int],
-                 greedy: bool = False) -> list[list[Completion]]:
-        """n samples per prompt; prompt i's samples depend only on seeds[i] and the weights."""
+                 greedy: bool = False, max_tokens: list[int] | None = None) -> list[list[Completion]]:
+        """n samples per prompt; prompt i's samples depend only on seeds[i] and the weights.
+        max_tokens: per prompt, the most tokens to sample (default rollout.max_new_tokens)."""
         from vllm import SamplingParams
 
         self.wake_up()
         r = self.cfg
         params = [SamplingParams(
             n=n, temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
-            max_tokens=r.max_new_tokens, stop=list(r.stop) or None, logprobs=0,
-            seed=seed) for seed in seeds]
+            max_tokens=max_tokens[i] if max_tokens else r.max_new_tokens, stop=list(r.stop) or None,
+            logprobs=0, seed=seed) for i, seed in enumerate(seeds)]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
                                     use_tqdm=False)
         return [[Completion(token_ids=list(c.token_ids),
@@ -155,11 +161,13 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, seeds: list[int],
-                 greedy: bool = False) -> list[list[Completion]]:
+                 greedy: bool = False, max_tokens: list[int] | None = None) -> list[list[Completion]]:
         """n samples per prompt from one batched generate; the samples depend on all the seeds
-        and on the batch (transformers samples a batch from one generator)."""
+        and on the batch (transformers samples a batch from one generator). With max_tokens
+        (per prompt), the batch samples the largest and each row is cut to its own."""
         r = self.cfg
         rows = [ids for ids in prompt_ids for _ in range(n)]
+        caps = [cap for cap in (max_tokens or [r.max_new_tokens] * len(prompt_ids)) for _ in range(n)]
         width = max(len(ids) for ids in rows)
         input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in rows],
                                  device=self.device)
@@ -171,7 +179,7 @@ class HFEngine:
                 input_ids=input_ids, attention_mask=mask, do_sample=not greedy,
                 temperature=r.temperature if not greedy else None,
                 top_p=r.top_p if not greedy else None, top_k=(r.top_k if r.top_k > 0 else None) if not greedy else None,
-                max_new_tokens=r.max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                max_new_tokens=max(caps), eos_token_id=self.eos_id, pad_token_id=self.pad_id,
                 stop_strings=list(r.stop) or None, tokenizer=self.tokenizer if r.stop else None,
                 return_dict_in_generate=True, output_logits=True)
         generated = out.sequences[:, width:]
@@ -180,7 +188,7 @@ class HFEngine:
         token_logprobs = logprobs.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
         completions = []
         for row in range(len(rows)):
-            ids = generated[row].tolist()
+            ids = generated[row, :caps[row]].tolist()
             if self.eos_id in ids:
                 end = ids.index(self.eos_id) + 1
             else:  # a row that met a stop string is padded after it; padding was never sampled
@@ -189,7 +197,7 @@ class HFEngine:
                     end -= 1
             completions.append(Completion(
                 token_ids=ids[:end], logprobs=token_logprobs[row, :end].tolist(),
-                truncated=self.eos_id not in ids[:end] and end == r.max_new_tokens))
+                truncated=self.eos_id not in ids[:end] and end == caps[row]))
         return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 
     @torch.no_grad()

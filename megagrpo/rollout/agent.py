@@ -1,0 +1,243 @@
+"""Multi-turn rollouts: the model samples a turn, calls tools, reads their results, continues.
+
+A trajectory is one token sequence after its prompt: per turn the tokens the engine sampled
+(with its log-probs), then the tokens of the tool-result messages as the chat template renders
+them. Sampled tokens are taken as the engine returned them and never re-encoded: a turn is
+decoded only to parse its tool calls and to show it to the rewards; only the inserted tool
+messages are tokenised. `model_mask` marks the sampled tokens, and the loss, KL, entropy and
+importance sampling cover those only (rollout/batch.py).
+
+Each turn, all live trajectories of the step go to the engine together (prefix caching on); a
+trajectory ends at a turn without a tool call ("answer"), at rollout.max_turns ("max_turns"),
+or ("budget") when a turn is cut at max_new_tokens or the next tool message and one more token
+would not fit in max_model_len. Tools of one turn run concurrently (tools.py).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megagrpo.config.schema import max_sequence_length
+from megagrpo.rollout.batch import Completion
+from megagrpo.rollout.tools import ERROR_KINDS, ToolRunner, Toolset, resolve_parser
+
+ENDINGS = ("answer", "max_turns", "budget")
+_PLACEHOLDER = "MEGAGRPOPLACEHOLDER{}X"  # stands for a text the template must not see
+
+
+@dataclass
+class Trajectory(Completion):
+    """A multi-turn completion: the Completion the trainer scores, plus the conversation."""
+    messages: list = field(default_factory=list)  # prompt messages, assistant turns (with tool_calls), tool results
+    final_text: str = ""                          # the last assistant turn, what the rewards score
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: dict = field(default_factory=dict)  # error kind -> count
+    tool_seconds: float = 0.0
+    ended_by: str = ""                             # one of ENDINGS once it has ended
+    environment_reward: Optional[float] = None
+
+
+class ToolMessageRenderer:
+    """The tokens of tool-result messages as the chat template puts them after an assistant
+    turn: the template renders [user, assistant(placeholder), tool...] with the generation
+    prompt, and everything after the placeholder is kept, less the end-of-turn text the model
+    already sampled (its EOS). Tool outputs are tokenised with special tokens split, so that a
+    tool printing "<|im_end|>" inserts text, not a turn boundary."""
+
+    def __init__(self, tokenizer, max_content_tokens: int):
+        self.tokenizer, self.max_tokens = tokenizer, max_content_tokens
+        self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+        self.cut_marker = tokenizer("\n[output cut]", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def content_ids(self, text: str) -> tuple[list[int], str]:
+        """A tool output's tokens, cut at max_content_tokens with a marker; and their text."""
+        ids = self.tokenizer(text[:8 * self.max_tokens], add_special_tokens=False,
+                             split_special_tokens=True)["input_ids"]
+        if len(ids) > self.max_tokens or len(text) > 8 * self.max_tokens:
+            ids = ids[:self.max_tokens] + self.cut_marker
+        return ids, self.tokenizer.decode(ids)
+
+    def render(self, messages: list[dict], model_ended_with_eos: bool) -> tuple[list[int], list[dict]]:
+        """Token ids to insert after a model turn for these tool messages, and the messages with
+        their contents as inserted (cut)."""
+        contents = [self.content_ids(m["content"]) for m in messages]
+        stand_ins = [{**m, "content": _PLACEHOLDER.format(i + 1)} for i, m in enumerate(messages)]
+        probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PLACEHOLDER.format(0)}]
+        text = self.tokenizer.apply_chat_template(probe + stand_ins, tokenize=False, add_generation_prompt=True)
+        text = text[text.index(_PLACEHOLDER.format(0)) + len(_PLACEHOLDER.format(0)):]
+        if model_ended_with_eos and self.eos_text and text.startswith(self.eos_text):
+            text = text[len(self.eos_text):]
+        ids = []
+        for i, (content_ids, _) in enumerate(contents):
+            before, text = text.split(_PLACEHOLDER.format(i + 1), 1)
+            ids += self.tokenizer(before, add_special_tokens=False)["input_ids"] + content_ids
+        ids += self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids, [{**m, "content": shown} for m, (_, shown) in zip(messages, contents)]
+
+
+def turn_seed(trajectory_seed: int, turn: int) -> int:
+    """The sampling seed of one later turn of one trajectory (turn 1 uses the group's seed)."""
+    return (trajectory_seed * 1_000_003 + turn) % 2**31
+
+
+class AgentLoop:
+    """Samples a step's trajectories through the rollout engine, with tools between turns."""
+
+    def __init__(self, cfg, engine, tokenizer, toolset: Toolset):
+        r = cfg.rollout
+        self.engine, self.tokenizer, self.toolset = engine, tokenizer, toolset
+        self.max_turns, self.max_new_tokens = r.max_turns, r.max_new_tokens
+        self.max_len = max_sequence_length(cfg)
+        self.parse = resolve_parser(r.tool_call_parser)
+        self.runner = ToolRunner(toolset, r.max_tool_calls_per_turn)
+        self.renderer = ToolMessageRenderer(tokenizer, r.max_tool_response_tokens)
+        self.tool_wall_seconds = 0.0  # of the last generate: time spent waiting for tools
+
+    def generate(self, prompts: list, n: int, seeds: list[int], greedy: bool = False) -> list[list[Trajectory]]:
+        """n trajectories per prompt (data.Prompt); trajectory j of prompt i samples its first
+        turn from seeds[i] as a single-turn group does, later turns from turn_seed."""
+        first = self.engine.generate([p.token_ids for p in prompts], n=n, seeds=seeds, greedy=greedy,
+                                     max_tokens=[self._room(len(p.token_ids)) for p in prompts])
+        groups, live = [], []
+        self.tool_wall_seconds = 0.0
+        for prompt, group, seed in zip(prompts, first, seeds):
+            trajectories = []
+            for j, completion in enumerate(group):
+                t = Trajectory(token_ids=[], logprobs=[], truncated=False, model_mask=[],
+                               messages=list(prompt.messages))
+                t.prompt, t.seed = prompt, (seed * 1_000_033 + j) % 2**31
+                t.environment = self.toolset.new_environment(prompt.fields)
+                live.append((t, self._add_turn(t, completion)))
+                trajectories.append(t)
+            groups.append(trajectories)
+        while live:
+            start = time.perf_counter()
+            self._run_tools(live)
+            self.tool_wall_seconds += time.perf_counter() - start
+            waiting = [t for t, _ in live if not t.ended_by]
+            if not waiting:
+                break
+            outputs = self.engine.generate(
+                [t.prompt.token_ids + t.token_ids for t in waiting], n=1,
+                seeds=[turn_seed(t.seed, t.turns) for t in waiting], greedy=greedy,
+                max_tokens=[self._room(len(t.prompt.token_ids) + len(t.token_ids)) for t in waiting])
+            live = [(t, self._add_turn(t, out[0])) for t, out in zip(waiting, outputs)]
+        for t in (t for group in groups for t in group):
+            self._finish(t)
+        return groups
+
+    def _room(self, length: int) -> int:
+        return max(1, min(self.max_new_tokens, self.max_len - length))
+
+    def _add_turn(self, t: Trajectory, c: Completion) -> list:
+        """Append a sampled turn; returns its parsed tool calls (none once the trajectory ends)."""
+        t.token_ids += c.token_ids
+        t.logprobs += c.logprobs
+        t.model_mask += [1] * len(c.token_ids)
+        t.turns += 1
+        text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        calls = self.parse(self.tokenizer.decode(c.token_ids, skip_special_tokens=False)) if not c.truncated else []
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                                     for call in calls if call.error is None]
+        t.messages.append(message)
+        t.final_text = text
+        t.ended_by_eos = bool(c.token_ids) and c.token_ids[-1] == self.tokenizer.eos_token_id
+        if c.truncated:
+            t.ended_by, t.truncated = "budget", True
+        elif not calls:
+            t.ended_by = "answer"
+        elif t.turns >= self.max_turns:
+            t.ended_by = "max_turns"
+        return calls
+
+    def _run_tools(self, live: list) -> None:
+        """Run the calls of every trajectory that made some, and insert their results."""
+        pending = [(t, calls) for t, calls in live if not t.ended_by]
+        results = self.runner.run([(calls, t.environment) for t, calls in pending])
+        for (t, _), turn_results in zip(pending, results):
+            t.tool_calls += len(turn_results)
+            for res in turn_results:
+                t.tool_seconds += res.seconds
+                if res.error_kind:
+                    t.tool_errors[res.error_kind] = t.tool_errors.get(res.error_kind, 0) + 1
+            messages = [{"role": "tool", "name": res.name, "content": res.content} for res in turn_results]
+            ids, shown = self.renderer.render(messages, t.ended_by_eos)
+            if len(t.prompt.token_ids) + len(t.token_ids) + len(ids) + 1 > self.max_len:
+                t.ended_by, t.truncated = "budget", True
+                continue
+            t.token_ids += ids
+            t.logprobs += [0.0] * len(ids)
+            t.model_mask += [0] * len(ids)
+            t.messages += shown
+
+    def _finish(self, t: Trajectory) -> None:
+        """Score and close the trajectory's environment; keep only what pickles (the trajectory
+        is shared with the model group)."""
+        environment = t.__dict__.pop("environment", None)
+        t.__dict__.pop("prompt", None)
+        t.__dict__.pop("ended_by_eos", None)
+        if environment is not None:
+            get_reward = getattr(environment, "get_reward", None)
+            if callable(get_reward):
+                t.environment_reward = float(get_reward())
+            close = getattr(environment, "close", None)
+            if callable(close):
+                close()
+
+
+def answer_texts(completions: list, tokenizer) -> list[str]:
+    """What the rewards score: a trajectory's last assistant turn, a completion's decoded text."""
+    if completions and isinstance(completions[0], Trajectory):
+        return [t.final_text for t in completions]
+    return tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+
+
+def completion_fields(completions: list, max_new_tokens: int) -> dict:
+    """The reward fields that come from the completions: completion_length (sampled tokens)
+    and max_new_tokens; for trajectories also messages (the whole conversation: prompt,
+    assistant turns with their tool_calls, tool results) and environment_reward."""
+    fields = {"completion_length": [len(c.token_ids) if c.model_mask is None else sum(c.model_mask)
+                                    for c in completions],
+              "max_new_tokens": [max_new_tokens] * len(completions)}
+    if completions and isinstance(completions[0], Trajectory):
+        fields["messages"] = [t.messages for t in completions]
+        fields["environment_reward"] = [t.environment_reward for t in completions]
+    return fields
+
+
+def agent_metrics(trajectories: list[Trajectory], tool_wall_seconds: float = 0.0, group=None) -> dict:
+    """Turns, tool calls, tool errors by kind, endings and model vs tool tokens of the step over
+    the ranks of `group`; time/tools is the longest wait for tools of any rank that sampled."""
+    from megagrpo.cluster.distributed import all_reduce
+
+    def column(values):
+        return torch.tensor(values, dtype=torch.float64)
+
+    model_tokens = [sum(t.model_mask) for t in trajectories]
+    sums = torch.stack([
+        column([len(trajectories)]), column([sum(t.turns for t in trajectories)]),
+        column([sum(t.tool_calls for t in trajectories)]), column([sum(t.tool_seconds for t in trajectories)]),
+        column([sum(model_tokens)]), column([sum(len(t.token_ids) for t in trajectories) - sum(model_tokens)]),
+        *[column([sum(t.ended_by == e for t in trajectories)]) for e in ENDINGS],
+        *[column([sum(t.tool_errors.get(k, 0) for t in trajectories)]) for k in ERROR_KINDS]]).squeeze(1)
+    sums = all_reduce(sums, group=group)
+    maxima = all_reduce(column([max((t.turns for t in trajectories), default=0), tool_wall_seconds]), "max",
+                        group=group)
+    count, turns, calls, seconds, model, tool = sums[:6].tolist()
+    endings = sums[6:6 + len(ENDINGS)].tolist()
+    errors = sums[6 + len(ENDINGS):].tolist()
+    count = max(count, 1.0)
+    out = {"turns/mean": turns / count, "turns/max": float(maxima[0]),
+           "tools/calls_per_trajectory": calls / count, "tools/call_frequency": calls / max(turns, 1.0),
+           "tools/failure_frequency": sum(errors) / max(calls, 1.0),
+           "tools/seconds_per_call": seconds / max(calls, 1.0), "time/tools": float(maxima[1]),
+           "tokens/model": model, "tokens/tool": tool}
+    out.update({f"turns/ended_by_{e}": v / count for e, v in zip(ENDINGS, endings)})
+    out.update({f"tools/errors/{k}": v for k, v in zip(ERROR_KINDS, errors)})
+    return out

@@ -1,0 +1,375 @@
+"""Tools a model calls during a multi-turn rollout, and the parser of its tool calls.
+
+A tool is a name, a JSON schema (what the chat template shows the model) and a call that takes
+the call's arguments and returns text. Three kinds (rollout.tools, rollout.environment):
+- `python` (built-in): runs the call's `code` in the sandbox (rewards/sandbox.py: bubblewrap,
+  seccomp, rlimits, a timeout) and returns its stdout, or its error;
+- a function by dotted path `module:function`: its schema comes from its type hints and its
+  docstring (transformers' `get_json_schema`); it runs in this process, on a thread, with a
+  timeout;
+- the public methods of an environment class: bound to the trajectory's own instance.
+
+A tool call is parsed out of the model's text by a named, replaceable parser
+(rollout.tool_call_parser: `hermes`, or `module:function` returning a list of ParsedCall).
+Whatever the model writes, a call never raises: a malformed call, an unknown tool, wrong
+arguments, a tool that raises or times out all become a short error text the model reads in
+the tool message, counted by kind (ERROR_KINDS).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from megagrpo.config.schema import ConfigError
+
+# Every failed call is counted as exactly one of these (fixed, so ranks can reduce the counts).
+ERROR_KINDS = ("parse", "unknown_tool", "bad_arguments", "raised", "timeout", "sandbox", "too_many_calls")
+ENVIRONMENT_HOOKS = ("reset", "get_reward", "close")  # environment methods that are not tools
+
+
+@dataclass
+class ParsedCall:
+    """One tool call as the parser read it: a name and arguments, or the reason it is unreadable."""
+    name: Optional[str]
+    arguments: Optional[dict]
+    error: Optional[str] = None
+
+
+@dataclass
+class ToolResult:
+    name: str
+    content: str
+    error_kind: Optional[str]  # None for a call that worked, else one of ERROR_KINDS
+    seconds: float
+
+
+class ToolFailure(Exception):
+    """A tool's own failure with its kind (ERROR_KINDS), e.g. a sandboxed program that timed out."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+# ---- parsing ------------------------------------------------------------------------------------
+
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def hermes(text: str) -> list[ParsedCall]:
+    """Hermes/Qwen-style calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, in
+    order. `arguments` may be an object or a JSON string holding one."""
+    calls = []
+    for body in _HERMES.findall(text):
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError) as e:
+            calls.append(ParsedCall(None, None, f"malformed tool call JSON ({str(e)[:80]})"))
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            calls.append(ParsedCall(None, None, 'a tool call is a JSON object {"name": ..., "arguments": {...}}'))
+            continue
+        arguments = obj.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                arguments = None
+        if not isinstance(arguments, dict):
+            calls.append(ParsedCall(obj["name"], None, "'arguments' must be a JSON object"))
+            continue
+        calls.append(ParsedCall(obj["name"], arguments))
+    if text.count("<tool_call>") > len(calls):
+        calls.append(ParsedCall(None, None, "<tool_call> without its closing </tool_call>"))
+    return calls
+
+
+PARSERS: dict[str, Callable[[str], list[ParsedCall]]] = {"hermes": hermes}
+
+
+def resolve_object(name: str, what: str):
+    """`package.module:attribute` -> the attribute; ConfigError naming `what` otherwise."""
+    if ":" not in name:
+        raise ConfigError(f"{what}: '{name}' is not a dotted path module:name")
+    module_name, attr = name.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{what}: cannot import module '{module_name}': {e}") from None
+    if not hasattr(module, attr):
+        raise ConfigError(f"{what}: module '{module_name}' has no '{attr}'")
+    return getattr(module, attr)
+
+
+def resolve_parser(name: str) -> Callable[[str], list[ParsedCall]]:
+    return PARSERS[name] if name in PARSERS else resolve_object(name, "rollout.tool_call_parser")
+
+
+# ---- tools ----------------------------------------------------------------------------------------
+
+@dataclass
+class Tool:
+    name: str
+    schema: dict                    # {"type": "function", "function": {name, description, parameters}}
+    call: Callable                  # call(arguments: dict, environment) -> str
+    timeout_s: float
+
+
+def function_schema(fn, what: str) -> dict:
+    """transformers' JSON schema of a function from its type hints and Google-style docstring."""
+    from transformers.utils import get_json_schema
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # noqa: BLE001 - transformers raises several types here
+        raise ConfigError(f"{what}: no tool schema for {getattr(fn, '__qualname__', fn)}: {e}. A tool needs "
+                          "type hints on every argument and a docstring with an Args: section") from None
+
+
+PYTHON_SCHEMA = {"type": "function", "function": {
+    "name": "python",
+    "description": "Run a Python program in a sandbox and return what it prints (or its error).",
+    "parameters": {"type": "object", "properties": {
+        "code": {"type": "string", "description": "the program; print the result"}},
+        "required": ["code"]}}}
+
+
+class PythonTool:
+    """The built-in `python` tool: each call is a fresh sandboxed program (rewards/sandbox.py)."""
+
+    def __init__(self, args: dict, workers: int):
+        from megagrpo.rewards.sandbox import Sandbox, SandboxLimits
+        args = dict(args)
+        mode = args.pop("mode", "auto")
+        known = set(SandboxLimits.__dataclass_fields__)
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ConfigError(f"rollout.tools python: unknown args {unknown}; valid: mode, {', '.join(sorted(known))}")
+        self.sandbox = Sandbox(SandboxLimits(**{"timeout_s": 5.0, "memory_mb": 512, **args}), mode=mode)
+        self.slots = threading.BoundedSemaphore(max(1, workers))
+
+    def __call__(self, arguments: dict, environment=None) -> str:
+        with self.slots:
+            result = self.sandbox.run(arguments["code"])
+        if result.ok:
+            return result.stdout
+        kind = {"error": "raised", "timeout": "timeout"}.get(result.status, "sandbox")
+        printed = result.stdout.strip()
+        raise ToolFailure(kind, (printed + "\n" if printed else "") + f"{result.status}: {result.reason}")
+
+    def close(self) -> None:
+        self.sandbox.close()
+
+
+def _function_tool(fn, timeout_s: float, what: str) -> Tool:
+    schema = function_schema(fn, what)
+    return Tool(schema["function"]["name"], schema, lambda arguments, environment=None: fn(**arguments), timeout_s)
+
+
+def environment_methods(cls) -> list[str]:
+    """The public methods of an environment class that are tools (not reset/get_reward/close)."""
+    return [name for name, member in inspect.getmembers(cls, inspect.isfunction)
+            if not name.startswith("_") and name not in ENVIRONMENT_HOOKS]
+
+
+class Toolset:
+    """The tools of a run: their schemas (for the chat template), their calls, and the
+    environment class whose instances (one per trajectory) own the environment's tools."""
+
+    def __init__(self, cfg):
+        r = cfg.rollout
+        self.tools: dict[str, Tool] = {}
+        self.closers = []
+        for i, t in enumerate(r.tools):
+            what = f"rollout.tools[{i}] ({t.name})"
+            if t.name == "python":
+                python = PythonTool(t.args, r.tool_workers)
+                self.closers.append(python.close)
+                tool = Tool("python", PYTHON_SCHEMA, python, python.sandbox.limits.timeout_s + 5.0)
+            else:
+                fn = resolve_object(t.name, what)
+                if not callable(fn):
+                    raise ConfigError(f"{what}: '{t.name}' is not a function")
+                tool = _function_tool(fn, r.tool_timeout_s, what)
+            self._add(tool, what)
+        self.environment_class = None
+        if r.environment:
+            self.environment_class = resolve_object(r.environment, "rollout.environment")
+            if not inspect.isclass(self.environment_class):
+                raise ConfigError(f"rollout.environment: '{r.environment}' is not a class")
+            for name in environment_methods(self.environment_class):
+                method = getattr(self.environment_class, name)
+                schema = function_schema(_without_self(method), f"rollout.environment method {name}")
+                call = (lambda n: lambda arguments, environment: getattr(environment, n)(**arguments))(name)
+                self._add(Tool(name, schema, call, r.tool_timeout_s), f"rollout.environment method {name}")
+        self.has_environment_reward = callable(getattr(self.environment_class, "get_reward", None))
+
+    def _add(self, tool: Tool, what: str) -> None:
+        if tool.name in self.tools:
+            raise ConfigError(f"{what}: a second tool named '{tool.name}'; tool names must be unique")
+        self.tools[tool.name] = tool
+
+    @property
+    def schemas(self) -> list[dict]:
+        return [t.schema for t in self.tools.values()]
+
+    def new_environment(self, fields: dict):
+        """A fresh environment instance for one trajectory (reset with the row's fields), or None."""
+        if self.environment_class is None:
+            return None
+        environment = self.environment_class()
+        reset = getattr(environment, "reset", None)
+        if callable(reset):
+            reset(**fields)
+        return environment
+
+    def close(self) -> None:
+        for close in self.closers:
+            close()
+
+
+def check_tools(cfg) -> None:
+    """Config check, before anything is built: the multi-turn settings fit together, every
+    function tool and the environment import and have a schema, the parser resolves."""
+    r = cfg.rollout
+    agentic = bool(r.tools or r.environment)
+    if r.max_turns < 1:
+        raise ConfigError(f"rollout.max_turns: {r.max_turns} must be >= 1 (1: single-turn)")
+    if agentic and r.max_turns < 2:
+        raise ConfigError(f"rollout.max_turns: {r.max_turns} leaves no turn to read a tool's result; set "
+                          "rollout.max_turns >= 2 with rollout.tools or rollout.environment")
+    if r.max_turns > 1 and not agentic:
+        raise ConfigError(f"rollout.max_turns: {r.max_turns} needs rollout.tools or rollout.environment "
+                          "(a turn continues only after tool calls), e.g. rollout.tools=[python]")
+    for key in ("tool_timeout_s", "max_tool_response_tokens", "max_tool_calls_per_turn", "tool_workers"):
+        if getattr(r, key) <= 0:
+            raise ConfigError(f"rollout.{key}: {getattr(r, key)} must be > 0")
+    if not agentic:
+        return
+    resolve_parser(r.tool_call_parser)
+    names = []
+    for i, t in enumerate(r.tools):
+        if t.name == "python":
+            names.append("python")
+            continue
+        fn = resolve_object(t.name, f"rollout.tools[{i}].name (not the built-in python)")
+        names.append(function_schema(fn, f"rollout.tools[{i}] ({t.name})")["function"]["name"])
+    if r.environment:
+        cls = resolve_object(r.environment, "rollout.environment")
+        if not inspect.isclass(cls):
+            raise ConfigError(f"rollout.environment: '{r.environment}' is not a class")
+        methods = environment_methods(cls)
+        for name in methods:
+            function_schema(_without_self(getattr(cls, name)), f"rollout.environment method {name}")
+        if not methods and not r.tools:
+            raise ConfigError(f"rollout.environment: {r.environment} has no public method to offer as a tool")
+        names += methods
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError(f"rollout.tools: more than one tool named {', '.join(duplicates)}; names must be unique")
+
+
+def _without_self(method):
+    """An unbound method as a function of its other arguments, for its schema."""
+    signature = inspect.signature(method)
+    params = list(signature.parameters.values())[1:]
+
+    def stand_in(*args, **kwargs):
+        raise NotImplementedError
+
+    stand_in.__name__, stand_in.__doc__ = method.__name__, method.__doc__
+    stand_in.__signature__ = signature.replace(parameters=params)
+    stand_in.__annotations__ = {k: v for k, v in getattr(method, "__annotations__", {}).items() if k != "self"}
+    return stand_in
+
+
+# ---- running calls ---------------------------------------------------------------------------------
+
+_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
+               "object": dict, "null": type(None)}
+
+
+def check_arguments(schema: dict, arguments: dict) -> Optional[str]:
+    """Why `arguments` do not fit the tool's schema (missing, unexpected, wrong JSON type), or None."""
+    parameters = schema["function"].get("parameters", {})
+    properties = parameters.get("properties", {})
+    missing = [k for k in parameters.get("required", []) if k not in arguments]
+    if missing:
+        return f"missing argument(s) {', '.join(missing)}"
+    unexpected = [k for k in arguments if k not in properties]
+    if unexpected:
+        return f"unexpected argument(s) {', '.join(unexpected)}; it takes {', '.join(properties) or 'none'}"
+    for key, value in arguments.items():
+        kind = properties[key].get("type")
+        kinds = kind if isinstance(kind, list) else [kind]
+        types = tuple(t for k in kinds if k in _JSON_TYPES for t in
+                      (_JSON_TYPES[k] if isinstance(_JSON_TYPES[k], tuple) else (_JSON_TYPES[k],)))
+        if types and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            return f"argument '{key}' must be {' or '.join(kinds)}, got {type(value).__name__}"
+    return None
+
+
+class ToolRunner:
+    """Runs the calls of one turn: the calls of different trajectories concurrently, the calls
+    of one trajectory in order (its environment sees them in the order the model wrote them).
+    Each call runs on a thread and is waited for at most its tool's timeout; a function that
+    never returns is left running on its (daemon) thread and reported as a timeout."""
+
+    def __init__(self, toolset: Toolset, max_calls_per_turn: int):
+        self.toolset, self.max_calls = toolset, max_calls_per_turn
+
+    def run(self, jobs: list[tuple[list[ParsedCall], object]]) -> list[list[ToolResult]]:
+        """jobs: per trajectory, its parsed calls and its environment (or None)."""
+        results: list[list[ToolResult]] = [[] for _ in jobs]
+        for wave in range(max((len(calls) for calls, _ in jobs), default=0)):
+            running = []
+            for i, (calls, environment) in enumerate(jobs):
+                if wave < len(calls):
+                    slot: list = []
+                    call = calls[wave]
+                    if wave >= self.max_calls:
+                        slot.append(ToolResult(call.name or "?", f"error: more than {self.max_calls} tool calls "
+                                               "in one turn; this one was not run", "too_many_calls", 0.0))
+                        running.append((i, call, None, slot, 0.0))
+                        continue
+                    thread = threading.Thread(target=lambda c=call, e=environment, s=slot: s.append(self._call(c, e)),
+                                              daemon=True, name="megagrpo-tool")
+                    thread.start()
+                    running.append((i, call, thread, slot, time.perf_counter()))
+            for i, call, thread, slot, started in running:
+                if thread is not None:
+                    tool = self.toolset.tools.get(call.name or "")
+                    thread.join(max(0.0, (tool.timeout_s if tool else 1.0) - (time.perf_counter() - started)))
+                    if thread.is_alive() or not slot:
+                        slot[:] = [ToolResult(call.name, f"error: {call.name} timed out after {tool.timeout_s:g} s",
+                                              "timeout", time.perf_counter() - started)]
+                results[i].append(slot[0])
+        return results
+
+    def _call(self, call: ParsedCall, environment) -> ToolResult:
+        start = time.perf_counter()
+
+        def result(content: str, kind: Optional[str] = None) -> ToolResult:
+            return ToolResult(call.name or "?", content, kind, time.perf_counter() - start)
+
+        if call.error:
+            return result(f"error: {call.error}", "parse")
+        tool = self.toolset.tools.get(call.name)
+        if tool is None:
+            return result(f"error: unknown tool '{str(call.name)[:60]}'; the tools are "
+                          f"{', '.join(self.toolset.tools)}", "unknown_tool")
+        problem = check_arguments(tool.schema, call.arguments)
+        if problem:
+            return result(f"error: wrong arguments for {tool.name}: {problem}", "bad_arguments")
+        try:
+            value = tool.call(call.arguments, environment)
+        except ToolFailure as e:
+            return result(f"error: {e}", e.kind)
+        except Exception as e:  # noqa: BLE001 - a tool that raises is the model's error to read
+            return result(f"error: {tool.name} raised {type(e).__name__}: {str(e)[:300]}", "raised")
+        return result(value if isinstance(value, str) else json.dumps(value, default=str))

@@ -1,0 +1,252 @@
+"""Multi-turn, tool-using rollouts (rollout/agent.py, rollout/tools.py).
+
+Unit tests of the parser, the argument checks, the tool runner and the tool-message tokens;
+then real runs (vLLM, the sandbox, DeepSpeed ZeRO-3 on 2 ranks) through tests/helpers/agent_probe.py:
+the trainer scores exactly the tokens vLLM sampled plus the inserted tool tokens, its log-probs
+of the sampled tokens equal vLLM's, every bad tool call becomes an error the model reads, and
+an environment with state gets one instance per trajectory."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+from conftest import BIN, PYTHON, ROOT, free_port, run, tiny_overrides
+from transformers import AutoTokenizer
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
+import agent_tools
+
+from megagrpo.config.loading import load_config
+from megagrpo.config.schema import ConfigError
+from megagrpo.rollout.agent import ToolMessageRenderer
+from megagrpo.rollout.batch import Completion, make_batch
+from megagrpo.rollout.tools import ToolRunner, Toolset, check_arguments, hermes
+
+HELPERS = "agent_tools"  # tests/helpers is on PYTHONPATH for the runs below
+
+
+# ---- parsing and checks ----------------------------------------------------------------------------
+
+def test_hermes_parses_calls_in_order_and_names_what_is_wrong():
+    calls = hermes('x <tool_call>{"name": "a", "arguments": {"k": 1}}</tool_call> y '
+                   '<tool_call>{"name": "b", "arguments": "{\\"j\\": [2]}"}</tool_call>')
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("a", {"k": 1}, None), ("b", {"j": [2]}, None)]
+    assert hermes("no call here") == []
+    errors = [c.error for c in hermes('<tool_call>{"name": </tool_call><tool_call>[1]</tool_call>'
+                                      '<tool_call>{"name": "a", "arguments": 3}</tool_call><tool_call>{"name"')]
+    assert errors[0].startswith("malformed tool call JSON")
+    assert "JSON object" in errors[1] and "'arguments' must be a JSON object" == errors[2]
+    assert errors[3] == "<tool_call> without its closing </tool_call>"
+    deep = hermes("<tool_call>" + "[" * 100000 + "</tool_call>")  # RecursionError inside json
+    assert len(deep) == 1 and deep[0].error.startswith("malformed")
+
+
+def test_check_arguments_against_the_schema():
+    schema = {"function": {"parameters": {"type": "object", "required": ["code"], "properties": {
+        "code": {"type": "string"}, "n": {"type": "integer"}, "x": {"type": "number"}}}}}
+    assert check_arguments(schema, {"code": "1", "n": 2, "x": 2}) is None
+    assert check_arguments(schema, {}) == "missing argument(s) code"
+    assert "unexpected argument(s) y" in check_arguments(schema, {"code": "1", "y": 1})
+    assert check_arguments(schema, {"code": 1}) == "argument 'code' must be string, got int"
+    assert check_arguments(schema, {"code": "1", "n": True}) == "argument 'n' must be integer, got bool"
+    assert check_arguments(schema, {"code": "1", "n": 1.5}) == "argument 'n' must be integer, got float"
+
+
+def _function_toolset(**rollout):
+    cfg = load_config(None, [f"rollout.{k}={v}" for k, v in rollout.items()] + [
+        "model.name_or_path=/nonexistent/x/y", "data.train_file=/dev/null", "deepspeed={}"], training=False)
+    return Toolset(cfg)
+
+
+def test_bad_calls_become_errors_and_calls_of_a_turn_run_concurrently(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "tests", "helpers"))
+    toolset = _function_toolset(max_turns=2, tool_timeout_s=1.0, max_tool_calls_per_turn=6, environment=
+                                f"{HELPERS}:NumberGame",
+                                tools=f"[{HELPERS}:lookup, {HELPERS}:slow, {HELPERS}:boom]")
+    assert sorted(toolset.tools) == ["boom", "explode", "guess", "lookup", "slow"]
+    runner = ToolRunner(toolset, max_calls_per_turn=6)
+    script = "".join(call for kind, (call, _) in agent_tools.BAD_CALLS.items() if kind != "python_error")
+    jobs = [(hermes(script + '<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>'),
+             toolset.new_environment({})) for _ in range(3)]
+    import time
+    start = time.perf_counter()
+    results = runner.run(jobs)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 2.5, f"three trajectories' timeouts ran one after another: {elapsed:.1f} s"
+    for turn in results:
+        kinds = [r.error_kind for r in turn]
+        assert kinds == ["parse", "unknown_tool", "bad_arguments", "raised", "timeout", "raised",
+                         "too_many_calls"], kinds
+        for (kind, (_, message)), result in zip([kv for kv in agent_tools.BAD_CALLS.items()
+                                                 if kv[0] != "python_error"], turn):
+            assert message in result.content and result.content.startswith("error: "), (kind, result)
+        assert turn[-1].content.startswith("error: more than 6 tool calls")
+    good = runner.run([(hermes('<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>'), None)])
+    assert good[0][0].content == "value of k" and good[0][0].error_kind is None
+
+
+def test_tool_message_tokens_follow_the_template_and_split_special_tokens(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny["warm"])
+    renderer = ToolMessageRenderer(tokenizer, max_content_tokens=20)
+    ids, shown = renderer.render([{"role": "tool", "name": "python", "content": "42\n"}], model_ended_with_eos=True)
+    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    whole = tokenizer.apply_chat_template(probe + [{"role": "tool", "content": "42\n"}], tokenize=False,
+                                          add_generation_prompt=True)
+    assert tokenizer.decode(ids) == whole.split("a<|im_end|>", 1)[1]  # after the sampled EOS
+    assert shown[0]["content"] == "42\n"
+    # a tool printing the turn markers inserts their text, never the special tokens themselves
+    ids, shown = renderer.render([{"role": "tool", "name": "python", "content": "<|im_end|>" * 40}], True)
+    inner = ids[ids.index(tokenizer.convert_tokens_to_ids("<|im_start|>")) + 1:]
+    inner = inner[:inner.index(tokenizer.eos_token_id)]
+    assert tokenizer.eos_token_id not in inner and shown[0]["content"].endswith("\n[output cut]")
+    without_eos, _ = renderer.render([{"role": "tool", "name": "python", "content": "1"}], model_ended_with_eos=False)
+    assert without_eos[0] == tokenizer.eos_token_id  # the end of the turn the model did not sample
+
+
+def test_model_mask_becomes_the_completion_mask():
+    completions = [Completion([5, 6, 7, 8], [-1.0, 0.0, 0.0, -2.0], False, [1, 0, 0, 1]),
+                   Completion([9], [-0.5], False)]
+    batch = make_batch([[1, 2], [3]], completions, torch.zeros(2), pad_id=0)
+    assert batch.completion_mask.tolist() == [[1, 0, 0, 1], [1, 0, 0, 0]]
+    assert batch.input_ids[0].tolist() == [1, 2, 5, 6, 7, 8] and batch.sequences()[1] == [[5, 6, 7, 8], [9]]
+    single = make_batch([[1, 2]], [Completion([5, 6], [-1.0, -2.0], False, [1, 1])], torch.zeros(1), 0)
+    default = make_batch([[1, 2]], [Completion([5, 6], [-1.0, -2.0], False)], torch.zeros(1), 0)
+    assert torch.equal(single.completion_mask, default.completion_mask)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.max_turns=3"], "needs rollout.tools or rollout.environment"),
+    (["rollout.tools=[python]"], "leaves no turn to read a tool's result"),
+    (["rollout.max_turns=2", "rollout.tools=[nosuchmodule:fn]"], "cannot import module 'nosuchmodule'"),
+    (["rollout.max_turns=2", "rollout.tools=[python, python]"], "more than one tool named python"),
+    (["rollout.max_turns=2", "rollout.tools=[python]", "rollout.tool_call_parser=nope"], "not a dotted path"),
+    (["rollout.max_turns=2", "rollout.tools=[json:dumps]"], "no tool schema"),
+    (["rewards.functions=[environment]"], "'environment' reward reads the get_reward()"),
+    (["max_tool_calling_iterations=-1"], "expected an integer >= 0"),
+])
+def test_multi_turn_config_errors_name_the_key(overrides, message, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "x"}\n')
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="") as e:
+        load_config("configs/tiny_arith.yaml", [f"model.name_or_path={model}", f"data.train_file={data}",
+                                                "data.eval_file=null", *overrides])
+    assert message in str(e.value), str(e.value)
+
+
+def test_trl_tool_iterations_name_maps_to_turns(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "x"}\n')
+    cfg = load_config("configs/tiny_agent.yaml", [f"data.train_file={data}", "data.eval_file=null",
+                                                  "model.name_or_path=org/model", "max_tool_calling_iterations=4"])
+    assert cfg.rollout.max_turns == 5
+
+
+# ---- real runs -------------------------------------------------------------------------------------
+
+def _agent_overrides(tiny, out, parser, **extra):
+    values = {"rollout.max_turns": 3, "rollout.max_new_tokens": 16, "rollout.tool_call_parser": f"{HELPERS}:{parser}",
+              "grpo.per_device_train_batch_size": 16, "grpo.num_generations": 4, "grpo.learning_rate": 1e-3,
+              "checkpoint.save_hf_at_end": "false", "data.eval_file": "null", "grpo.max_tokens_per_microbatch": 1024,
+              **extra}
+    return tiny_overrides(tiny, out, **{k: v for k, v in values.items()})
+
+
+def _check_rows(result, tokenizer, expect_python=True):
+    """Token identity: each trajectory is its prompt, then per turn what the engine returned for
+    exactly the sequence so far, then the tool message; the mask is 1 on sampled tokens only."""
+    calls = result["calls"]
+    returned = {}
+    for call in calls:
+        for inputs, group in zip(call["inputs"], call["outputs"]):
+            returned.setdefault(tuple(inputs), []).extend(group)
+    multi = 0
+    for row in result["rows"]:
+        sequence, ids, mask = list(row["prompt"]), row["completion"], row["mask"]
+        assert len(mask) == len(ids) and set(mask) <= {0.0, 1.0}
+        position, turn = 0, 0
+        while position < len(ids):
+            end = position
+            while end < len(ids) and mask[end] == 1.0:
+                end += 1
+            sampled = ids[position:end]
+            options = returned.get(tuple(sequence), [])
+            match = [o for o in options if o["ids"] == sampled]
+            assert match, f"turn {turn}: the engine never returned these sampled tokens for this sequence"
+            assert row["sampler_logp"][position:end] == pytest.approx(match[0]["logprobs"], abs=0)
+            sequence += sampled
+            tool_end = end
+            while tool_end < len(ids) and mask[tool_end] == 0.0:
+                tool_end += 1
+            inserted = ids[end:tool_end]
+            if inserted:
+                text = tokenizer.decode(inserted)
+                assert text.startswith("\n<|im_start|>user\n<tool_response>\n") and text.endswith(
+                    "</tool_response><|im_end|>\n<|im_start|>assistant\n"), text
+                if expect_python:
+                    turn_text = tokenizer.decode(sampled, skip_special_tokens=False)
+                    assert f"<tool_response>\n{agent_tools.expected_python_output(turn_text)}\n</tool_response>" in text
+                multi += 1
+            sequence += inserted
+            position, turn = tool_end, turn + 1
+        assert sequence == row["prompt"] + ids
+        assert turn == row["turns"]
+    return multi
+
+
+def _check_logprobs(result):
+    worst = max(abs(a - b) for row in result["rows"] for a, b, m in
+                zip(row["trainer_logp"], row["sampler_logp"], row["mask"]) if m == 1.0)
+    assert worst < 1e-4, worst
+    return worst
+
+
+def test_multi_turn_one_rank_tokens_logprobs_bad_calls_and_environment(tiny, tmp_path):
+    out = tmp_path / "one"
+    overrides = _agent_overrides(tiny, out, "every_call_parser", **{
+        "rollout.tools": f"[python, {HELPERS}:lookup, {HELPERS}:slow, {HELPERS}:boom]",
+        "rollout.environment": f"{HELPERS}:NumberGame", "rollout.tool_timeout_s": 1.0,
+        "rollout.max_tool_calls_per_turn": 10,
+        "rewards.functions": "[{name: answer_match}, {name: environment, weight: 0.5}]"})
+    run([PYTHON, "tests/helpers/agent_probe.py", "--config", "configs/tiny_arith.yaml", *overrides],
+        env={"PYTHONPATH": f"{ROOT}:{ROOT}/tests/helpers", "PROBE_STEPS": "2"})
+    result = json.load(open(out / "agent_rank0.json"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny["warm"])
+    multi = _check_rows(result, tokenizer, expect_python=False)
+    assert multi > 0, "no trajectory reached a second turn"
+    _check_logprobs(result)
+    rows = result["rows"]
+    for row in rows:
+        tool_messages = [m for m in row["messages"] if m["role"] == "tool"]
+        if row["turns"] > 1:
+            for kind, (_, message) in agent_tools.BAD_CALLS.items():
+                assert any(message in m["content"] for m in tool_messages), (kind, tool_messages)
+        # one game per trajectory: its reward reads this trajectory's guesses only
+        guesses = sum(1 for m in row["messages"] if m["role"] == "assistant" and any(
+            c["function"]["name"] == "guess" for c in m.get("tool_calls", [])))
+        if row["ended_by"] != "budget":
+            assert row["environment_reward"] == 1.0 or row["environment_reward"] == pytest.approx(0.1 * guesses)
+    assert result["environments_created"] == len(rows)
+    for step in result["steps"]:  # the run went on through every bad call
+        assert step["tools/errors/parse"] > 0 and step["tools/errors/timeout"] > 0
+        assert step["tools/errors/raised"] > 0 and step["turns/max"] == 3
+        assert torch.isfinite(torch.tensor(step["loss"])) and step["grad_norm"] > 0
+        assert step["tokens/tool"] > 0 and step["tokens/model"] > 0
+
+
+def test_multi_turn_two_ranks_zero3_tokens_and_logprobs(tiny, tmp_path):
+    out = tmp_path / "two"
+    overrides = _agent_overrides(tiny, out, "python_parser", **{"rollout.tools": "[python]"})
+    run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "tests/helpers/agent_probe.py",
+         "--config", "configs/tiny_arith.yaml", *overrides], env={"PYTHONPATH": f"{ROOT}:{ROOT}/tests/helpers"})
+    tokenizer = AutoTokenizer.from_pretrained(tiny["warm"])
+    for rank in (0, 1):
+        result = json.load(open(out / f"agent_rank{rank}.json"))
+        assert _check_rows(result, tokenizer) > 0
+        _check_logprobs(result)
+        assert result["steps"][0]["tools/errors/raised"] == 0
+    prompts = [json.load(open(out / f"agent_rank{r}.json"))["rows"][0]["prompt"] for r in (0, 1)]
+    assert prompts[0] != prompts[1]  # the dp ranks sampled different prompts
