@@ -6,9 +6,15 @@
 #   bash launch/quickstart.sh                 # everything
 #   NUM_RANKS=1 bash launch/quickstart.sh     # one rank
 #   bash launch/quickstart.sh grpo.max_steps=80 rollout.engine=hf   # any config override
+#   AGENT=1 bash launch/quickstart.sh         # the multi-turn task: 3-digit products with the python tool
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUN_DIR="${RUN_DIR:-runs/tiny}"
+AGENT="${AGENT:-0}"
+if [ "$AGENT" = 1 ]; then
+  RUN_DIR="${RUN_DIR:-runs/agent}" CONFIG=configs/tiny_agent.yaml TASK=multiply TOOLS="--tools python"
+else
+  RUN_DIR="${RUN_DIR:-runs/tiny}" CONFIG=configs/tiny_arith.yaml TASK=add TOOLS=""
+fi
 NUM_RANKS="${NUM_RANKS:-2}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 
@@ -17,25 +23,33 @@ source .venv/bin/activate
 export PYTHONUNBUFFERED=1
 
 if [ ! -f "$RUN_DIR/warm/config.json" ]; then
-  echo "== 1/3 demo task and tiny model"
-  python tools/make_demo_data.py --out "$RUN_DIR/data"
+  echo "== 1/3 demo task ($TASK) and tiny model"
+  python tools/make_demo_data.py --task "$TASK" --out "$RUN_DIR/data"
   python tools/make_tiny_model.py --out "$RUN_DIR/model" --corpus "$RUN_DIR/data/sft.jsonl"
   echo "== 2/3 warm start (supervised, separate step; see tools/warm_start.py)"
-  python tools/warm_start.py --model "$RUN_DIR/model" --data "$RUN_DIR/data/sft.jsonl" --out "$RUN_DIR/warm"
+  # shellcheck disable=SC2086  # TOOLS is empty or two words
+  python tools/warm_start.py $TOOLS --model "$RUN_DIR/model" --data "$RUN_DIR/data/sft.jsonl" --out "$RUN_DIR/warm"
 fi
 
-echo "== 3/3 GRPO: deepspeed --num_gpus $NUM_RANKS (CPU ranks), ZeRO-3, vLLM co-located"
+echo "== 3/3 GRPO: deepspeed --num_gpus $NUM_RANKS (CPU ranks), ZeRO-3, vLLM co-located ($CONFIG)"
 rm -rf "$RUN_DIR/grpo"  # the quickstart starts over each time (real runs resume: see docs/outputs-and-checkpoints.md)
 START=$(date +%s)
 deepspeed --num_gpus "$NUM_RANKS" --master_port "$MASTER_PORT" --module megagrpo.train \
-  --config configs/tiny_arith.yaml \
+  --config "$CONFIG" \
   model.name_or_path="$RUN_DIR/warm" data.train_file="$RUN_DIR/data/train.jsonl" \
   data.eval_file="$RUN_DIR/data/eval.jsonl" output_dir="$RUN_DIR/grpo" checkpoint.resume=none "$@"
 echo "GRPO took $(( $(date +%s) - START ))s"
-python - "$RUN_DIR/grpo/eval_results.json" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
+python - "$RUN_DIR/grpo" <<'PY'
+import glob, json, os, sys
+r = json.load(open(os.path.join(sys.argv[1], "eval_results.json")))
 before, after = r["before"]["rewards/answer_match"], r["after"]["rewards/answer_match"]
 print(f"held-out accuracy: {100 * before:.1f}% before GRPO -> {100 * after:.1f}% after")
+samples = sorted(glob.glob(os.path.join(sys.argv[1], "eval_samples", "step_*.jsonl")))
+if samples and "trajectories" in open(samples[0]).readline():
+    def tool_rate(path):  # share of held-out trajectories that called a tool
+        rows = [json.loads(line) for line in open(path)]
+        calls = [any(m.get("tool_calls") for m in t) for row in rows for t in row["trajectories"]]
+        return 100 * sum(calls) / len(calls)
+    print(f"held-out tool-call rate: {tool_rate(samples[0]):.1f}% before GRPO -> {tool_rate(samples[-1]):.1f}% after")
 PY
 echo "TensorBoard: tensorboard --logdir $RUN_DIR/grpo/tensorboard"

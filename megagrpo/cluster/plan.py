@@ -30,7 +30,7 @@ import torch
 
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.deepspeed_json import zero_stage
-from megagrpo.config.schema import Config, require
+from megagrpo.config.schema import Config, max_sequence_length, require
 
 BYTES = {"float32": (4, 4, 12), "bfloat16": (2, 2, 12)}
 
@@ -127,7 +127,7 @@ def peak_memory(cfg: Config, plan: Plan, local_params: int) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g, r = cfg.grpo, cfg.rollout
     weight_b = 4 if cfg.model.dtype == "float32" else 2
-    longest = cfg.data.max_prompt_length + r.max_new_tokens
+    longest = max_sequence_length(cfg)  # prompt + completion (every turn and tool message)
     tokens = g.per_device_train_batch_size * longest  # a micro-batch: fixed size, or a token budget
     if g.max_tokens_per_microbatch:
         tokens = min(g.max_tokens_per_microbatch, tokens * g.gradient_accumulation_steps)

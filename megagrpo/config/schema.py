@@ -110,7 +110,7 @@ class GRPOConfig:
     """Divide advantages by the group's std, the batch's std, or not at all."""
     loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dapo"
     """grpo: per-sequence mean; bnpo: per-token mean of the rank's batch; dapo: per-token
-    mean of the global batch; dr_grpo: token sum over (sequences x max_new_tokens)."""
+    mean of the global batch; dr_grpo: token sum over (sequences x max_new_tokens x max_turns)."""
     num_iterations: int = 1
     """mu: optimisation passes over each generated batch (old-policy logprobs when > 1)."""
     mask_truncated_completions: bool = False
@@ -273,8 +273,12 @@ class Config:
 
 
 def max_sequence_length(cfg: Config) -> int:
-    """The longest prompt + completion (every turn and tool message) a rollout can make."""
+    """The longest prompt + completion a rollout can make: prompt + max_new_tokens; with
+    max_turns > 1 the trajectory budget (every turn and tool message), rollout.max_model_len
+    or its default."""
     r = cfg.rollout
+    if r.max_turns == 1:
+        return cfg.data.max_prompt_length + r.max_new_tokens
     if r.max_model_len:
         return r.max_model_len
     tool_room = (r.max_turns - 1) * (r.max_tool_response_tokens + 32)  # 32: the template's own tokens

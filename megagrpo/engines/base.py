@@ -78,7 +78,8 @@ class PolicyEngine:
             summed = all_reduce(torch.tensor([tokens], dtype=torch.float64), group=self.topo.dp_group)
             tokens = float(summed[0]) / self.topo.dp_size
         return {"num_sequences": len(batch), "num_tokens": tokens,
-                "max_completion_length": self.cfg.rollout.max_new_tokens}
+                # the most sampled tokens a completion can hold: max_new_tokens per model turn
+                "max_completion_length": self.cfg.rollout.max_new_tokens * self.cfg.rollout.max_turns}
 
     def new_stats(self) -> StepStats:
         stats = StepStats()

@@ -55,12 +55,12 @@ class VLLMEngine:
             # A seeded request whose prompt is prefilled in chunks fails on CPU ("CPU Generator
             # does not use offset", vllm 0.32): prefill whole prompts (docs/upstream-issues.md).
             kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(4096, max_sequence_length(cfg))
+            kwargs["max_num_batched_tokens"] = max(4096, r.max_model_len or max_sequence_length(cfg))
         self.llm = LLM(
             model=model_path, dtype=cfg.model.dtype, seed=seed,
             distributed_executor_backend="external_launcher", tensor_parallel_size=1,
             gpu_memory_utilization=r.gpu_memory_utilization,
-            max_model_len=max_sequence_length(cfg),
+            max_model_len=r.max_model_len or max_sequence_length(cfg),
             logprobs_mode="processed_logprobs", enable_sleep_mode=self.can_sleep,
             # multi-turn rollouts send each trajectory's growing prefix again every turn
             enforce_eager=not _on_gpu(), enable_prefix_caching=r.max_turns > 1, **kwargs)
