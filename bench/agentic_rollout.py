@@ -19,7 +19,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megagrpo.cluster.distributed import init_distributed
-from megagrpo.config.schema import Config, DataConfig, ModelConfig, RolloutConfig, ToolConfig
+from megagrpo.config.schema import Config, DataConfig, ModelConfig, RolloutConfig, ToolConfig, max_sequence_length
 from megagrpo.data import load_prompts
 from megagrpo.engines.models import load_tokenizer
 from megagrpo.rollout import tools
@@ -92,6 +92,7 @@ def main():
                                             args.num_generations, args.repeats, loop)
     del engine
     cold = config(args, 4)
+    cold.rollout.max_model_len = max_sequence_length(base)
     cold.rollout.max_turns = 1  # an engine without prefix caching; the loop below still runs 4 turns
     engine = VLLMEngine(cold, args.model, seed=0)
     loop = AgentLoop(config(args, 4), engine, tokenizer, toolset)

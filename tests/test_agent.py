@@ -253,3 +253,47 @@ def test_multi_turn_two_ranks_zero3_tokens_and_logprobs(tiny, tmp_path):
         assert result["steps"][0]["tools/errors/raised"] == 0
     prompts = [json.load(open(out / f"agent_rank{r}.json"))["rows"][0]["prompt"] for r in (0, 1)]
     assert prompts[0] != prompts[1]  # the dp ranks sampled different prompts
+
+
+# The last commit before multi-turn rollouts. A later change meant to move single-turn numbers
+# (a new default of the loss, say) moves this pin to the commit before that change.
+BEFORE_MULTI_TURN = "7cc9653d3fd5487019a3ea44733e9a4e0ab82170"
+
+
+def _scalars(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+            if not tag.startswith(("train/time/", "train/memory/", "train/tokens_per_second"))}
+
+
+def test_single_turn_run_is_bit_identical_to_the_trainer_before_multi_turn(tiny, tmp_path):
+    """max_turns 1, no tools: 3 steps (vLLM, one rank) give, bit for bit, what the trainer of
+    BEFORE_MULTI_TURN gives on the same model and data: every logged scalar, the prompts seen,
+    the held-out samples and the final weights."""
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    have = subprocess.run(["git", "cat-file", "-e", f"{BEFORE_MULTI_TURN}^{{commit}}"], cwd=ROOT, capture_output=True)
+    if have.returncode != 0:
+        pytest.skip(f"commit {BEFORE_MULTI_TURN[:10]} is not in this clone (a shallow clone?)")
+    old_tree = tmp_path / "before"
+    old_tree.mkdir()
+    archive = subprocess.run(["git", "archive", BEFORE_MULTI_TURN], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive, check=True)
+    runs = {}
+    for name, tree in (("before", str(old_tree)), ("now", ROOT)):
+        runs[name] = tmp_path / f"run_{name}"
+        run([PYTHON, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+             *tiny_overrides(tiny, runs[name], **{"grpo.max_steps": 3, "checkpoint.save_steps": 0})],
+            cwd=tree, env={"PYTHONPATH": tree})
+    before, now = _scalars(runs["before"]), _scalars(runs["now"])
+    assert before.keys() == now.keys() and len(before) > 20
+    assert before == now
+    for name in ("prompts_seen.jsonl", "eval_results.json"):
+        assert (runs["before"] / name).read_text() == (runs["now"] / name).read_text(), name
+    weights = [load_file(str(runs[name] / "hf" / "model.safetensors")) for name in ("before", "now")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
