@@ -12,8 +12,9 @@ cd "$(dirname "$0")/.."
 AGENT="${AGENT:-0}"
 if [ "$AGENT" = 1 ]; then
   RUN_DIR="${RUN_DIR:-runs/agent}" CONFIG=configs/tiny_agent.yaml TASK=multiply TOOLS="--tools python"
+  TOOL_TOKENS="--tool-tokens"
 else
-  RUN_DIR="${RUN_DIR:-runs/tiny}" CONFIG=configs/tiny_arith.yaml TASK=add TOOLS=""
+  RUN_DIR="${RUN_DIR:-runs/tiny}" CONFIG=configs/tiny_arith.yaml TASK=add TOOLS="" TOOL_TOKENS=""
 fi
 NUM_RANKS="${NUM_RANKS:-2}"
 MASTER_PORT="${MASTER_PORT:-29500}"
@@ -25,7 +26,8 @@ export PYTHONUNBUFFERED=1
 if [ ! -f "$RUN_DIR/warm/config.json" ]; then
   echo "== 1/3 demo task ($TASK) and tiny model"
   python tools/make_demo_data.py --task "$TASK" --out "$RUN_DIR/data"
-  python tools/make_tiny_model.py --out "$RUN_DIR/model" --corpus "$RUN_DIR/data/sft.jsonl"
+  # shellcheck disable=SC2086  # TOOL_TOKENS is empty or one flag
+  python tools/make_tiny_model.py $TOOL_TOKENS --out "$RUN_DIR/model" --corpus "$RUN_DIR/data/sft.jsonl"
   echo "== 2/3 warm start (supervised, separate step; see tools/warm_start.py)"
   # shellcheck disable=SC2086  # TOOLS is empty or two words
   python tools/warm_start.py $TOOLS --model "$RUN_DIR/model" --data "$RUN_DIR/data/sft.jsonl" --out "$RUN_DIR/warm"

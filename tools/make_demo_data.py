@@ -62,23 +62,26 @@ def tool_turns(row: dict, rng: random.Random, tool_share: float) -> list[dict]:
     return [{"role": "assistant", "content": f"Answer:{guess}"}]
 
 
-def main_multiply(args, rng: random.Random) -> None:
-    rows = products(args.problems, rng)
+def write_splits(out: str, rows: list[dict], eval_share: float, rng: random.Random) -> dict:
+    """Shuffle the rows, hold out eval_share of them; write train.jsonl and eval.jsonl."""
     rng.shuffle(rows)
-    n_eval = int(len(rows) * args.eval_share)
+    n_eval = int(len(rows) * eval_share)
     splits = {"eval": rows[:n_eval], "train": rows[n_eval:]}
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
     for name, split in splits.items():
-        with open(os.path.join(args.out, f"{name}.jsonl"), "w") as f:
+        with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
             for row in split:
                 f.write(json.dumps({"prompt": row["prompt"], "answer": row["answer"]}) + "\n")
-    with open(os.path.join(args.out, "sft.jsonl"), "w") as f:
-        for row in splits["train"]:
-            for _ in range(args.sft_copies):
-                f.write(json.dumps({"prompt": row["prompt"],
-                                    "turns": tool_turns(row, rng, args.worked_share)}) + "\n")
-    print(f"wrote {len(splits['train'])} train, {n_eval} eval products and "
-          f"{len(splits['train']) * args.sft_copies} warm-start conversations to {args.out}")
+    return splits
+
+
+def write_warm_start(out: str, rows: list[dict], copies: int, answer) -> int:
+    """sft.jsonl: `copies` rows {"prompt", **answer(row)} per row; returns how many."""
+    with open(os.path.join(out, "sft.jsonl"), "w") as f:
+        for row in rows:
+            for _ in range(copies):
+                f.write(json.dumps({"prompt": row["prompt"], **answer(row)}) + "\n")
+    return len(rows) * copies
 
 
 def main(argv=None):
@@ -101,24 +104,16 @@ def main(argv=None):
     if args.sft_copies is None:
         args.sft_copies = 2 if args.task == "multiply" else 8
     if args.task == "multiply":
-        return main_multiply(args, rng)
-    rows = problems(args.max_operand)
-    rng.shuffle(rows)
-    n_eval = int(len(rows) * args.eval_share)
-    splits = {"eval": rows[:n_eval], "train": rows[n_eval:]}
-    os.makedirs(args.out, exist_ok=True)
-    for name, split in splits.items():
-        with open(os.path.join(args.out, f"{name}.jsonl"), "w") as f:
-            for row in split:
-                f.write(json.dumps({"prompt": row["prompt"], "answer": row["answer"]}) + "\n")
-    with open(os.path.join(args.out, "sft.jsonl"), "w") as f:
-        for row in rows:
-            for _ in range(args.sft_copies):
-                f.write(json.dumps({"prompt": row["prompt"],
-                                    "completion": sft_completion(row, rng, args.worked_share)}) + "\n")
-    print(f"wrote {len(splits['train'])} train, {n_eval} eval prompts and "
-          f"{len(rows) * args.sft_copies} warm-start rows to {args.out}")
-
+        splits = write_splits(args.out, products(args.problems, rng), args.eval_share, rng)
+        count = write_warm_start(args.out, splits["train"], args.sft_copies,
+                                 lambda row: {"turns": tool_turns(row, rng, args.worked_share)})
+    else:  # the warm start of the additions sees every prompt (it teaches formats, not sums)
+        rows = problems(args.max_operand)
+        splits = write_splits(args.out, rows, args.eval_share, rng)
+        count = write_warm_start(args.out, rows, args.sft_copies,
+                                 lambda row: {"completion": sft_completion(row, rng, args.worked_share)})
+    print(f"wrote {len(splits['train'])} train and {len(splits['eval'])} eval prompts ({args.task}) and "
+          f"{count} warm-start rows to {args.out}")
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,9 @@ of existing tokens (so the vocabulary is real BPE, and every id can be sampled a
 
 The tokenizer is trained on the strings of the corpus JSONL files (nested ones included, plus
 printable ASCII, so that any text encodes) and carries a ChatML chat template that also renders
-tools and tool results (Qwen2.5's layout, shortened); <|im_end|> is the EOS token.
+tools and tool results (Qwen2.5's layout, shortened); <|im_end|> is the EOS token. --tool-tokens
+adds <tool_call>, </tool_call>, <tool_response> and </tool_response> as single tokens (the
+agentic quickstart's model).
 The model is randomly initialised with transformers' own init (std 0.02) and saved as
 safetensors; head_dim is 64 (vLLM's CPU attention refuses smaller heads).
 """
@@ -57,7 +59,6 @@ def corpus_texts(paths: list[str]):
     yield string.printable
     for role in ("system", "user", "assistant"):
         yield f"{role}\n"
-    yield "Tools: <tool_call></tool_call>\n<tool_response>\n</tool_response>"  # the template's tool markup
     for path in paths:
         with open(path) as f:
             for line in f:
@@ -76,7 +77,11 @@ def _strings(value):
             yield from _strings(item)
 
 
-def build_tokenizer(paths: list[str], vocab_size: int, pad_to_size: bool = False) -> PreTrainedTokenizerFast:
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # as Qwen2.5 has them
+
+
+def build_tokenizer(paths: list[str], vocab_size: int, pad_to_size: bool = False,
+                    tool_tokens: bool = False) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -88,6 +93,8 @@ def build_tokenizer(paths: list[str], vocab_size: int, pad_to_size: bool = False
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", bos_token=None,
                                    additional_special_tokens=["<|im_start|>"])
+    if tool_tokens:  # added tokens that are not special: they stay in decoded text
+        fast.add_tokens(TOOL_TOKENS)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -132,6 +139,9 @@ def main(argv=None):
                    help="a real model's exact configuration (other flags override its values)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="saved weights")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tool-tokens", action="store_true",
+                   help="add the tool-call markup (<tool_call>, <tool_response> and their ends) as single "
+                        "tokens, as Qwen2.5's tokenizer has them")
     p.add_argument("--config-only", action="store_true",
                    help="write config.json only (no weights, no tokenizer): enough for `megagrpo plan`")
     shape = p.parse_known_args(argv)[0].shape
@@ -149,7 +159,8 @@ def main(argv=None):
         config.save_pretrained(args.out)
         print(f"{shape or 'tiny'} Qwen2 config (no weights) -> {args.out}")
         return
-    tokenizer = build_tokenizer(args.corpus, args.vocab_size, pad_to_size=shape is not None)
+    tokenizer = build_tokenizer(args.corpus, args.vocab_size, pad_to_size=shape is not None,
+                                tool_tokens=args.tool_tokens)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.layers,

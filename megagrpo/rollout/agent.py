@@ -100,100 +100,114 @@ class AgentLoop:
     def generate(self, prompts: list, n: int, seeds: list[int], greedy: bool = False) -> list[list[Trajectory]]:
         """n trajectories per prompt (data.Prompt); trajectory j of prompt i samples its first
         turn from seeds[i] as a single-turn group does, later turns from turn_seed."""
+        self.tool_wall_seconds = 0.0
         first = self.engine.generate([p.token_ids for p in prompts], n=n, seeds=seeds, greedy=greedy,
                                      max_tokens=[self._room(len(p.token_ids)) for p in prompts])
         groups, live = [], []
-        self.tool_wall_seconds = 0.0
         for prompt, group, seed in zip(prompts, first, seeds):
-            trajectories = []
-            for j, completion in enumerate(group):
-                t = Trajectory(token_ids=[], logprobs=[], truncated=False, model_mask=[],
-                               messages=list(prompt.messages))
-                t.prompt, t.seed = prompt, (seed * 1_000_033 + j) % 2**31
-                t.environment = self.toolset.new_environment(prompt.fields)
-                live.append((t, self._add_turn(t, completion)))
-                trajectories.append(t)
-            groups.append(trajectories)
-        while live:
+            runs = [_Running(Trajectory(token_ids=[], logprobs=[], truncated=False, model_mask=[],
+                                        messages=list(prompt.messages)),
+                             prompt, (seed * 1_000_033 + j) % 2**31, self.toolset.new_environment(prompt.fields))
+                    for j in range(len(group))]
+            for run, completion in zip(runs, group):
+                self._add_turn(run, completion)
+            live += runs
+            groups.append([run.trajectory for run in runs])
+        while live := [r for r in live if not r.trajectory.ended_by]:
             start = time.perf_counter()
             self._run_tools(live)
             self.tool_wall_seconds += time.perf_counter() - start
-            waiting = [t for t, _ in live if not t.ended_by]
-            if not waiting:
+            live = [r for r in live if not r.trajectory.ended_by]
+            if not live:
                 break
             outputs = self.engine.generate(
-                [t.prompt.token_ids + t.token_ids for t in waiting], n=1,
-                seeds=[turn_seed(t.seed, t.turns) for t in waiting], greedy=greedy,
-                max_tokens=[self._room(len(t.prompt.token_ids) + len(t.token_ids)) for t in waiting])
-            live = [(t, self._add_turn(t, out[0])) for t, out in zip(waiting, outputs)]
-        for t in (t for group in groups for t in group):
-            self._finish(t)
+                [r.ids for r in live], n=1, seeds=[turn_seed(r.seed, r.trajectory.turns) for r in live],
+                greedy=greedy, max_tokens=[self._room(len(r.ids)) for r in live])
+            for run, out in zip(live, outputs):
+                self._add_turn(run, out[0])
         return groups
 
     def _room(self, length: int) -> int:
         return max(1, min(self.max_new_tokens, self.max_len - length))
 
-    def _add_turn(self, t: Trajectory, c: Completion) -> list:
-        """Append a sampled turn; returns its parsed tool calls (none once the trajectory ends)."""
+    def _add_turn(self, run: "_Running", c: Completion) -> None:
+        """Append a sampled turn and parse its tool calls; end the trajectory if it ends here."""
+        t = run.trajectory
         t.token_ids += c.token_ids
         t.logprobs += c.logprobs
         t.model_mask += [1] * len(c.token_ids)
         t.turns += 1
         text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        calls = self.parse(self.tokenizer.decode(c.token_ids, skip_special_tokens=False)) if not c.truncated else []
+        run.calls = [] if c.truncated else self.parse(self.tokenizer.decode(c.token_ids, skip_special_tokens=False))
         message = {"role": "assistant", "content": text}
-        if calls:
+        if run.calls:
             message["tool_calls"] = [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-                                     for call in calls if call.error is None]
+                                     for call in run.calls if call.error is None]
         t.messages.append(message)
         t.final_text = text
-        t.ended_by_eos = bool(c.token_ids) and c.token_ids[-1] == self.tokenizer.eos_token_id
+        run.ended_with_eos = bool(c.token_ids) and c.token_ids[-1] == self.tokenizer.eos_token_id
         if c.truncated:
             t.ended_by, t.truncated = "budget", True
-        elif not calls:
+        elif not run.calls:
             t.ended_by = "answer"
         elif t.turns >= self.max_turns:
             t.ended_by = "max_turns"
-        return calls
+        if t.ended_by:
+            self._finish(run)
 
-    def _run_tools(self, live: list) -> None:
-        """Run the calls of every trajectory that made some, and insert their results."""
-        pending = [(t, calls) for t, calls in live if not t.ended_by]
-        results = self.runner.run([(calls, t.environment) for t, calls in pending])
-        for (t, _), turn_results in zip(pending, results):
+    def _run_tools(self, live: list["_Running"]) -> None:
+        """Run the last turn's calls of every live trajectory, and insert their results."""
+        results = self.runner.run([(run.calls, run.environment) for run in live])
+        for run, turn_results in zip(live, results):
+            t = run.trajectory
             t.tool_calls += len(turn_results)
             for res in turn_results:
                 t.tool_seconds += res.seconds
                 if res.error_kind:
                     t.tool_errors[res.error_kind] = t.tool_errors.get(res.error_kind, 0) + 1
             messages = [{"role": "tool", "name": res.name, "content": res.content} for res in turn_results]
-            ids, shown = self.renderer.render(messages, t.ended_by_eos)
-            if len(t.prompt.token_ids) + len(t.token_ids) + len(ids) + 1 > self.max_len:
+            ids, shown = self.renderer.render(messages, run.ended_with_eos)
+            if len(run.ids) + len(ids) + 1 > self.max_len:
                 t.ended_by, t.truncated = "budget", True
+                self._finish(run)
                 continue
             t.token_ids += ids
             t.logprobs += [0.0] * len(ids)
             t.model_mask += [0] * len(ids)
             t.messages += shown
 
-    def _finish(self, t: Trajectory) -> None:
-        """Score and close the trajectory's environment; keep only what pickles (the trajectory
-        is shared with the model group)."""
-        environment = t.__dict__.pop("environment", None)
-        t.__dict__.pop("prompt", None)
-        t.__dict__.pop("ended_by_eos", None)
-        if environment is not None:
-            get_reward = getattr(environment, "get_reward", None)
+    def _finish(self, run: "_Running") -> None:
+        """At the trajectory's end: its environment's reward, then the environment is closed."""
+        if run.environment is not None:
+            get_reward = getattr(run.environment, "get_reward", None)
             if callable(get_reward):
-                t.environment_reward = float(get_reward())
-            close = getattr(environment, "close", None)
+                run.trajectory.environment_reward = float(get_reward())
+            close = getattr(run.environment, "close", None)
             if callable(close):
                 close()
 
 
+@dataclass
+class _Running:
+    """A trajectory while the loop runs it, with what only the loop needs (the Trajectory
+    itself is shared with the model group, so it keeps no environment)."""
+    trajectory: Trajectory
+    prompt: object                # its data.Prompt
+    seed: int                     # its later turns' seeds derive from it
+    environment: object = None    # its own environment instance, or None
+    calls: list = field(default_factory=list)  # the tool calls of its last turn
+    ended_with_eos: bool = False  # its last turn ended with the EOS it sampled
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt.token_ids + self.trajectory.token_ids
+
+
 def answer_texts(completions: list, tokenizer) -> list[str]:
     """What the rewards score: a trajectory's last assistant turn, a completion's decoded text."""
-    if completions and isinstance(completions[0], Trajectory):
+    if not completions:
+        return []  # batch_decode([]) gives [""]
+    if isinstance(completions[0], Trajectory):
         return [t.final_text for t in completions]
     return tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
 

@@ -160,7 +160,8 @@ class PythonTool:
             return result.stdout
         kind = {"error": "raised", "timeout": "timeout"}.get(result.status, "sandbox")
         printed = result.stdout.strip()
-        raise ToolFailure(kind, (printed + "\n" if printed else "") + f"{result.status}: {result.reason}")
+        raise ToolFailure(kind, f"the program failed ({result.status}): {result.reason}"
+                          + (f"\nit printed: {printed}" if printed else ""))
 
     def close(self) -> None:
         self.sandbox.close()

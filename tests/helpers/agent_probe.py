@@ -45,7 +45,7 @@ def main():
         return out
 
     trainer.rollout.generate = recording_generate
-    created_before = agent_tools.NumberGame.created
+    created_before, closed_before = agent_tools.NumberGame.created, agent_tools.NumberGame.closed_count
     indices = trainer.sampler.next_indices()
     prompts = [trainer.prompts[i] for i in indices]
     n = cfg.grpo.num_generations
@@ -64,6 +64,7 @@ def main():
             for i, (p, c, t) in enumerate(zip(prompt_ids, completion_ids, trajectories))]
     result = {"steps": metrics, "calls": calls if topology.samples_rollout else [], "rows": rows,
               "environments_created": agent_tools.NumberGame.created - created_before,
+              "environments_closed": agent_tools.NumberGame.closed_count - closed_before,
               "samples_rollout": topology.samples_rollout}
     os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, f"agent_rank{topology.rank}.json"), "w") as f:

@@ -49,7 +49,7 @@ def boom() -> str:
 class NumberGame:
     """Guess a number: each instance is one trajectory's game; get_reward reads its state."""
 
-    created = 0  # instances made in this process
+    created = closed_count = 0  # instances made and closed in this process
 
     def __init__(self):
         NumberGame.created += 1
@@ -77,7 +77,9 @@ class NumberGame:
         return 1.0 if self.secret in self.guesses else 0.1 * len(self.guesses)
 
     def close(self):
+        assert not self.closed, "closed twice"
         self.closed = True
+        NumberGame.closed_count += 1
 
 
 def expected_python_output(text: str) -> str:
