@@ -241,19 +241,29 @@ def test_multi_turn_one_rank_tokens_logprobs_bad_calls_and_environment(tiny, tmp
         assert step["tokens/tool"] > 0 and step["tokens/model"] > 0
 
 
-def test_multi_turn_two_ranks_zero3_tokens_and_logprobs(tiny, tmp_path):
+@pytest.mark.parametrize("layout", ["dp2_zero3", "tp2"])
+def test_multi_turn_two_ranks_tokens_and_logprobs(tiny, tmp_path, layout):
+    """dp 2 under ZeRO-3: each rank samples its own prompts. tp 2: the first rank samples and
+    shares its trajectories with the other, which trains on the same tokens."""
     out = tmp_path / "two"
-    overrides = _agent_overrides(tiny, out, "python_parser", **{"rollout.tools": "[python]"})
+    extra = {"rollout.tools": "[python]"}
+    if layout == "tp2":
+        extra["parallel.tensor_parallel_size"] = 2
+    overrides = _agent_overrides(tiny, out, "python_parser", **extra)
     run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "tests/helpers/agent_probe.py",
          "--config", "configs/tiny_arith.yaml", *overrides], env={"PYTHONPATH": f"{ROOT}:{ROOT}/tests/helpers"})
     tokenizer = AutoTokenizer.from_pretrained(tiny["warm"])
-    for rank in (0, 1):
-        result = json.load(open(out / f"agent_rank{rank}.json"))
+    results = [json.load(open(out / f"agent_rank{rank}.json")) for rank in (0, 1)]
+    for result in results:
+        result["calls"] = result["calls"] or results[0]["calls"]  # tp: rank 1 did not sample
         assert _check_rows(result, tokenizer) > 0
         _check_logprobs(result)
         assert result["steps"][0]["tools/errors/raised"] == 0
-    prompts = [json.load(open(out / f"agent_rank{r}.json"))["rows"][0]["prompt"] for r in (0, 1)]
-    assert prompts[0] != prompts[1]  # the dp ranks sampled different prompts
+    sequences = [[(row["prompt"], row["completion"]) for row in result["rows"]] for result in results]
+    if layout == "tp2":
+        assert results[1]["samples_rollout"] is False and sequences[0] == sequences[1]
+    else:
+        assert sequences[0][0][0] != sequences[1][0][0]  # the dp ranks sampled different prompts
 
 
 # The last commit before multi-turn rollouts. A later change meant to move single-turn numbers
