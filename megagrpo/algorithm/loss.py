@@ -77,9 +77,13 @@ def declare_stats(stats: StepStats, g: GRPOConfig) -> None:
     extrema = ["sampling/sampling_logp_difference"]
     if g.kl_coef > 0:
         means.append("kl")
-    if g.importance_sampling_correction:
+    if g.importance_sampling_correction != "none":
         means.append("sampling/importance_sampling_ratio/mean")
         extrema.append("sampling/importance_sampling_ratio")
+    if g.off_policy_mask_threshold is not None:
+        means.append("sampling/off_policy_masked")
+    if g.top_entropy_quantile < 1:
+        means.append("entropy/masked")
     stats.declare(means, extrema)
 
 
@@ -87,31 +91,48 @@ def micro_batch_loss(g: GRPOConfig, logp: torch.Tensor, entropy: torch.Tensor, i
                      normalisers: dict, share: float, stats: Optional[StepStats]) -> torch.Tensor:
     """This micro-batch's share of the step loss (normalised for the whole step, see
     grpo.aggregate), recording its statistics in `stats` when given."""
+    mask = inputs.completion_mask
     old_logp = inputs.old_logp if inputs.old_logp is not None else logp.detach()
     is_weights = None
-    if g.importance_sampling_correction:
-        is_weights = grpo.truncated_importance_weights(old_logp, inputs.sampler_logp, g.importance_sampling_cap)
+    if g.importance_sampling_correction != "none":
+        is_weights = grpo.importance_weights(old_logp, inputs.sampler_logp, mask, g.importance_sampling_correction,
+                                             g.importance_sampling_cap)
+    keep = {}  # what drops tokens from the policy term
+    if g.off_policy_mask_threshold is not None:
+        keep["sampling/off_policy_masked"] = grpo.off_policy_keep(logp, inputs.sampler_logp, inputs.advantages,
+                                                                  mask, g.off_policy_mask_threshold)
+    if g.top_entropy_quantile < 1:
+        keep["entropy/masked"] = grpo.high_entropy_keep(entropy, mask, g.top_entropy_quantile)
+    kept = None
+    for factor in keep.values():
+        kept = factor if kept is None else kept * factor
     epsilon_high = g.epsilon_high if g.epsilon_high is not None else g.epsilon
     token = grpo.per_token_loss(logp, old_logp, inputs.advantages, g.epsilon, epsilon_high,
-                                g.kl_coef, inputs.ref_logp, is_weights)
-    loss = grpo.aggregate(token.loss, inputs.completion_mask, g.loss_type, **normalisers) * share
+                                g.kl_coef, inputs.ref_logp, is_weights, mask=mask, loss_type=g.loss_type,
+                                level=g.importance_sampling_level, delta=g.delta,
+                                sapo_temperatures=(g.sapo_temperature_pos, g.sapo_temperature_neg),
+                                kl_bias_correction=g.use_bias_correction_kl, keep=kept)
+    loss = grpo.aggregate(token.loss, mask, g.loss_type, **normalisers) * share
     if stats is not None:
-        _record(stats, inputs, loss, token, entropy, old_logp, is_weights)
+        _record(stats, inputs, loss, token, entropy, old_logp, is_weights, keep)
     return loss
 
 
-def _record(stats, inputs, loss, token, entropy, old_logp, is_weights) -> None:
+def _record(stats, inputs, loss, token, entropy, old_logp, is_weights, keep) -> None:
     mask = inputs.completion_mask
     stats.add_loss(float(loss.detach()))
     stats.add_mean("entropy", entropy.detach(), mask)
     if token.kl is not None:
         stats.add_mean("kl", token.kl.detach(), mask)
-    stats.add_mean("clip_ratio/low_mean", token.clipped_low.float(), mask)
-    stats.add_mean("clip_ratio/high_mean", token.clipped_high.float(), mask)
-    stats.add_mean("clip_ratio/region_mean", (token.clipped_low | token.clipped_high).float(), mask)
+    low, high = token.clipped_low.expand_as(mask), token.clipped_high.expand_as(mask)  # sequence level: (B, 1)
+    stats.add_mean("clip_ratio/low_mean", low.float(), mask)
+    stats.add_mean("clip_ratio/high_mean", high.float(), mask)
+    stats.add_mean("clip_ratio/region_mean", (low | high).float(), mask)
     diff = (old_logp - inputs.sampler_logp).abs()
     stats.add_mean("sampling/sampling_logp_difference/mean", diff, mask)
     stats.add_extrema("sampling/sampling_logp_difference", diff, mask)
     if is_weights is not None:
-        stats.add_mean("sampling/importance_sampling_ratio/mean", is_weights, mask)
-        stats.add_extrema("sampling/importance_sampling_ratio", is_weights, mask)
+        stats.add_mean("sampling/importance_sampling_ratio/mean", is_weights.expand_as(mask), mask)
+        stats.add_extrema("sampling/importance_sampling_ratio", is_weights.expand_as(mask), mask)
+    for name, factor in keep.items():  # the share of the tokens each one left out
+        stats.add_mean(name, 1 - factor.expand_as(mask), mask)

@@ -108,17 +108,44 @@ class GRPOConfig:
     """Upper clip range: 1 + epsilon_high (DAPO clip-higher); defaults to epsilon."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide advantages by the group's std, the batch's std, or not at all."""
-    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dapo"
-    """grpo: per-sequence mean; bnpo: per-token mean of the rank's batch; dapo: per-token
-    mean of the global batch; dr_grpo: token sum over (sequences x max_new_tokens x max_turns)."""
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"] = "dapo"
+    """grpo: per-sequence mean; bnpo: per-token mean of the rank's batch (TRL: of each
+    micro-batch); dapo: per-token mean of the global batch; dr_grpo: token sum over (sequences x
+    max_new_tokens x max_turns); cispo: clipped, stop-gradient importance weight x A x logp
+    (MiniMax-M1), global token mean; sapo: a soft sigmoid gate instead of the hard clip
+    (sapo_temperature_pos/neg), per-sequence mean. docs/objectives.md."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: a ratio pi/pi_old per token; sequence: GSPO's one ratio per sequence,
+    exp(mean_t log(pi/pi_old)), clipped per sequence (with loss_type grpo or sapo)."""
+    delta: Optional[float] = None
+    """Two-sided clipping: the unclipped ratio is capped at delta too, bounding the loss of
+    negative advantages (> 1 + epsilon_high, e.g. 4; TRL's delta)."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO's gate temperature for positive advantages."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO's gate temperature for negative advantages."""
+    use_bias_correction_kl: bool = True
+    """Weight the k3 KL term by the ratio pi/pi_old, so that its gradient is the gradient of
+    KL(pi || pi_ref) (it adds the score-function term k3 x grad log pi); false: the plain k3
+    term, whose gradient misses that term (TRL's use_bias_correction_kl; docs/objectives.md)."""
+    off_policy_mask_threshold: Optional[float] = None
+    """Leave out of the policy term each sequence with a negative advantage whose mean
+    KL(sampler || policy) per token is above this (DeepSeek-V3.2's off-policy sequence mask)."""
+    top_entropy_quantile: float = 1.0
+    """Share of each micro-batch's tokens, the highest-entropy ones, that the policy term
+    covers (0.2: the "80/20" result); 1: all."""
     num_iterations: int = 1
     """mu: optimisation passes over each generated batch (old-policy logprobs when > 1)."""
     mask_truncated_completions: bool = False
     """Exclude completions cut at max_new_tokens from the loss."""
-    importance_sampling_correction: bool = True
-    """Truncated importance sampling between the sampler's and the trainer's logprobs."""
+    importance_sampling_correction: Literal[True, False, "token_truncate", "sequence_truncate",
+                                            "sequence_mask", "none"] = "token_truncate"
+    """The correction between the sampler's and the trainer's log-probs: token_truncate,
+    min(pi_trainer / pi_sampler, C) per token (true means this); sequence_truncate, one weight
+    per sequence (the product of its tokens'), capped at C; sequence_mask, that weight, or 0
+    for a sequence past C; none (false)."""
     importance_sampling_cap: float = 2.0
-    """Cap C of the truncated importance weight min(pi_trainer / pi_sampler, C)."""
+    """Cap C of the importance weight (importance_sampling_correction)."""
     max_tokens_per_microbatch: int = 8192
     """Token budget (prompt + completion) of a training micro-batch; sequences are spread
     over the fewest micro-batches that fit, balanced. 0: fixed micro-batches of
@@ -287,6 +314,20 @@ def max_sequence_length(cfg: Config) -> int:
 
 # TRL-style flat names (GRPOConfig's) and where they live.
 ALIASES = {
+    "epsilon": "grpo.epsilon",
+    "epsilon_high": "grpo.epsilon_high",
+    "delta": "grpo.delta",
+    "scale_rewards": "grpo.scale_rewards",
+    "importance_sampling_level": "grpo.importance_sampling_level",
+    "sapo_temperature_pos": "grpo.sapo_temperature_pos",
+    "sapo_temperature_neg": "grpo.sapo_temperature_neg",
+    "use_bias_correction_kl": "grpo.use_bias_correction_kl",
+    "off_policy_mask_threshold": "grpo.off_policy_mask_threshold",
+    "top_entropy_quantile": "grpo.top_entropy_quantile",
+    "mask_truncated_completions": "grpo.mask_truncated_completions",
+    "vllm_importance_sampling_correction": "grpo.importance_sampling_correction",
+    "vllm_importance_sampling_mode": "grpo.importance_sampling_correction",
+    "vllm_importance_sampling_cap": "grpo.importance_sampling_cap",
     "num_generations": "grpo.num_generations",
     "learning_rate": "grpo.learning_rate",
     "kl_coef": "grpo.kl_coef",

@@ -49,6 +49,7 @@ def validate(cfg: Config, training: bool = True) -> None:
             f"grpo.epsilon_high: {g.epsilon_high} must be > 0, e.g. 0.28")
     require(g.importance_sampling_cap >= 1,
             f"grpo.importance_sampling_cap: {g.importance_sampling_cap} must be >= 1")
+    check_objective(g)
     require(cfg.rollout.temperature > 0,
             f"rollout.temperature: {cfg.rollout.temperature} must be > 0 for sampling")
     require(0 < cfg.rollout.top_p <= 1, f"rollout.top_p: {cfg.rollout.top_p} must be in (0, 1]")
@@ -98,6 +99,28 @@ def validate(cfg: Config, training: bool = True) -> None:
     require(cfg.checkpoint.resume in ("auto", "none") or os.path.isdir(cfg.checkpoint.resume),
             f"checkpoint.resume: '{cfg.checkpoint.resume}' is not auto, none or an existing "
             "checkpoint folder")
+
+
+def check_objective(g) -> None:
+    """The objective's options fit together (docs/objectives.md); true/false for the sampler
+    correction become token_truncate/none."""
+    if g.importance_sampling_correction is True or g.importance_sampling_correction is False:
+        g.importance_sampling_correction = "token_truncate" if g.importance_sampling_correction else "none"
+    require(g.importance_sampling_level == "token" or g.loss_type in ("grpo", "sapo"),
+            f"grpo.importance_sampling_level: sequence with loss_type {g.loss_type}, which sums per-token "
+            "terms and so weights each sequence by its length instead of optimising GSPO's per-sequence "
+            "objective; use grpo.loss_type=grpo (or sapo)")
+    epsilon_high = g.epsilon_high if g.epsilon_high is not None else g.epsilon
+    require(g.delta is None or g.delta > 1 + epsilon_high,
+            f"grpo.delta: {g.delta} must be above 1 + epsilon_high = {1 + epsilon_high:g} (e.g. 4), or null")
+    require(g.delta is None or g.loss_type not in ("cispo", "sapo"),
+            f"grpo.delta: two-sided clipping applies to the clipped objectives, not loss_type {g.loss_type}")
+    require(g.sapo_temperature_pos > 0 and g.sapo_temperature_neg > 0,
+            "grpo.sapo_temperature_pos/neg must be > 0 (defaults 1.0 and 1.05)")
+    require(g.off_policy_mask_threshold is None or g.off_policy_mask_threshold >= 0,
+            f"grpo.off_policy_mask_threshold: {g.off_policy_mask_threshold} must be >= 0, or null")
+    require(0 < g.top_entropy_quantile <= 1,
+            f"grpo.top_entropy_quantile: {g.top_entropy_quantile} must be in (0, 1], e.g. 0.2; 1 keeps every token")
 
 
 def _looks_local(path: str) -> bool:

@@ -74,7 +74,7 @@ class PolicyEngine:
     def loss_normalisers(self, batch: RolloutBatch) -> dict:
         """What the chosen aggregation divides by, for the whole step (see grpo.aggregate)."""
         tokens = float(batch.completion_mask.sum())
-        if self.g.loss_type == "dapo":  # global token mean; DeepSpeed averages over dp ranks
+        if self.g.loss_type in ("dapo", "cispo"):  # global token mean; DeepSpeed averages over dp ranks
             summed = all_reduce(torch.tensor([tokens], dtype=torch.float64), group=self.topo.dp_group)
             tokens = float(summed[0]) / self.topo.dp_size
         return {"num_sequences": len(batch), "num_tokens": tokens,

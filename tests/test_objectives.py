@@ -1,0 +1,207 @@
+"""The objectives against TRL 1.16's GRPOTrainer, on identical inputs, in float64.
+
+Our loss is algorithm/loss.py's micro_batch_loss. TRL's is GRPOTrainer._compute_loss itself,
+called on a stand-in for the trainer that holds the same settings and returns the given
+log-probs and entropies where TRL would run the model (everything after that is TRL's code).
+Loss and gradient (with respect to the policy log-probs) must agree within 1e-6, except where
+our definition differs on purpose; those tests show the difference (docs/objectives.md)."""
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+
+from megagrpo.algorithm import grpo
+from megagrpo.algorithm.loss import LossInputs, micro_batch_loss
+from megagrpo.config.schema import GRPOConfig
+from megagrpo.config.validation import check_objective
+
+trl_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+
+B, T = 6, 9
+
+
+class _Accelerator:
+    """One process: TRL's cross-process reductions are identities."""
+    num_processes, sync_gradients = 1, True
+
+    def gather(self, x):
+        return x
+
+    gather_for_metrics = gather
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+    def pad_across_processes(self, x, dim=0, pad_index=0):
+        return x
+
+
+def _inputs(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, T, dtype=torch.float64)
+    for row, length in enumerate([9, 7, 5, 9, 3, 8]):
+        mask[row, length:] = 0
+    logp = (-torch.rand(B, T, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    return {
+        "logp": logp,
+        "entropy": torch.rand(B, T, generator=gen, dtype=torch.float64) * 2,
+        "old": logp.detach() + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.3,
+        "ref": logp.detach() + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.2,
+        "sampler": logp.detach() + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.1,
+        "advantages": torch.tensor([1.2, -0.7, 0.3, -1.5, 0.9, -0.2], dtype=torch.float64),
+        "mask": mask,
+    }
+
+
+def ours(g: GRPOConfig, x: dict, sampler_weight: bool = True, rows=None, num_tokens=None) -> torch.Tensor:
+    """Our loss of rows (default all) with the step's normalisers; the sampler correction
+    comes from the sampler log-probs (none when sampler_weight is False)."""
+    check_objective(g)
+    if not sampler_weight:
+        g.importance_sampling_correction = "none"
+    rows = list(range(B)) if rows is None else rows
+    inputs = LossInputs(x["mask"][rows], x["advantages"][rows], x["sampler"][rows], x["old"][rows], x["ref"][rows])
+    normalisers = {"num_sequences": B, "num_tokens": float(x["mask"].sum()) if num_tokens is None else num_tokens,
+                   "max_completion_length": T}
+    return micro_batch_loss(g, x["logp"][rows], x["entropy"][rows], inputs, normalisers, 1.0, None)
+
+
+def trl_importance_ratio(x: dict, mode: str, cap: float) -> torch.Tensor:
+    """TRL's vLLM importance-sampling ratio (GRPOTrainer._generate_and_score_completions, which
+    computes it inline), restated: per-token or summed per-sequence log differences, then
+    truncated at clip_max or masked beyond it."""
+    diff = (x["old"] - x["sampler"]) * x["mask"]
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=None, max=cap)
+    return ratio.masked_fill(ratio > cap, 0.0)
+
+
+def trl(g: GRPOConfig, x: dict, importance_ratio=None, rows=None, grad_accum: int = 1,
+        cispo_cap=None) -> torch.Tensor:
+    """TRL's _compute_loss with the settings of g."""
+    rows = list(range(B)) if rows is None else rows
+    logp, entropy = x["logp"][rows], x["entropy"][rows]
+    epsilon_high = g.epsilon_high if g.epsilon_high is not None else g.epsilon
+    args = types.SimpleNamespace(use_bias_correction_kl=g.use_bias_correction_kl, delta=g.delta,
+                                 sapo_temperature_pos=g.sapo_temperature_pos,
+                                 sapo_temperature_neg=g.sapo_temperature_neg, steps_per_generation=grad_accum)
+    fake = types.SimpleNamespace(
+        args=args, accelerator=_Accelerator(), model=types.SimpleNamespace(training=True),
+        aux_loss_enabled=False, top_entropy_quantile=g.top_entropy_quantile,
+        off_policy_mask_threshold=g.off_policy_mask_threshold, importance_sampling_level=g.importance_sampling_level,
+        beta=g.kl_coef, loss_type=g.loss_type, epsilon_low=g.epsilon,
+        epsilon_high=cispo_cap if cispo_cap is not None else epsilon_high,
+        use_vllm=importance_ratio is not None, vllm_importance_sampling_correction=importance_ratio is not None,
+        current_gradient_accumulation_steps=grad_accum, max_completion_length=T, _entropy_bonus_enabled=False,
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        get_off_policy_mask=trl_trainer.GRPOTrainer.get_off_policy_mask,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropy, None))
+    fake.get_high_entropy_mask = types.MethodType(trl_trainer.GRPOTrainer.get_high_entropy_mask, fake)
+    mask = x["mask"][rows]
+    inputs = {"prompt_ids": torch.zeros(len(rows), 1, dtype=torch.long), "prompt_mask": torch.ones(len(rows), 1),
+              "completion_ids": torch.zeros(len(rows), T, dtype=torch.long), "completion_mask": mask,
+              "advantages": x["advantages"][rows], "old_per_token_logps": x["old"][rows],
+              "ref_per_token_logps": x["ref"][rows], "sampling_per_token_logps": x["sampler"][rows],
+              "num_items_in_batch": x["mask"].sum()}
+    if importance_ratio is not None:
+        inputs["importance_sampling_ratio"] = importance_ratio[rows]
+    return trl_trainer.GRPOTrainer._compute_loss(fake, None, inputs)
+
+
+def _grad(loss: torch.Tensor, x: dict) -> torch.Tensor:
+    x["logp"].grad = None
+    loss.backward()
+    return x["logp"].grad.clone()
+
+
+def _assert_equal(ours_loss, trl_loss, x):
+    ours_grad, trl_grad = _grad(ours_loss, x), _grad(trl_loss, x)
+    assert float(ours_loss.detach()) == pytest.approx(float(trl_loss.detach()), abs=1e-6)
+    assert torch.allclose(ours_grad, trl_grad, atol=1e-6, rtol=0), (ours_grad - trl_grad).abs().max()
+    assert ours_grad.abs().sum() > 0
+
+
+CASES = {
+    "grpo": {"loss_type": "grpo"},
+    "dapo": {"loss_type": "dapo", "epsilon_high": 0.28},
+    "dr_grpo": {"loss_type": "dr_grpo"},
+    "sapo": {"loss_type": "sapo", "sapo_temperature_pos": 0.8, "sapo_temperature_neg": 1.3},
+    "gspo": {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4},
+    "gspo_sapo": {"loss_type": "sapo", "importance_sampling_level": "sequence"},
+    "delta": {"loss_type": "grpo", "delta": 1.5},
+    "delta_dapo": {"loss_type": "dapo", "delta": 1.4, "epsilon_high": 0.28},
+    "entropy_quantile": {"loss_type": "dapo", "top_entropy_quantile": 0.2},
+    "off_policy_mask": {"loss_type": "grpo", "off_policy_mask_threshold": 0.05},
+    "no_kl": {"loss_type": "dapo", "kl_coef": 0.0},
+    "kl_without_bias_correction": {"loss_type": "grpo", "use_bias_correction_kl": False},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_loss_and_gradient_equal_trl(case):
+    g = GRPOConfig(**{"kl_coef": 0.05, **CASES[case]})
+    x = _inputs(seed=len(case))
+    _assert_equal(ours(g, x, sampler_weight=False), trl(g, x), x)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate", "sequence_mask"])
+def test_sampler_correction_modes_equal_trl(mode):
+    g = GRPOConfig(kl_coef=0.05, loss_type="dapo", importance_sampling_correction=mode, importance_sampling_cap=1.3)
+    x = _inputs(seed=7)
+    ratio = trl_importance_ratio(x, mode, 1.3)
+    weights = grpo.importance_weights(x["old"], x["sampler"], x["mask"], mode, 1.3)
+    assert weights.shape == ratio.shape and float(((weights - ratio) * x["mask"]).abs().max()) == 0  # padding aside
+    if mode == "sequence_mask":
+        assert 0 < int((ratio == 0).sum()) < B  # some sequences left out, not all
+    _assert_equal(ours(g, x), trl(g, x, importance_ratio=ratio), x)
+
+
+def test_cispo_caps_the_weight_at_one_plus_epsilon_high():
+    """Ours caps at 1 + epsilon_high (as the clip range of the other objectives reads); TRL's
+    epsilon_high is the cap itself: the same objective with TRL's epsilon_high = 1 + ours."""
+    g = GRPOConfig(kl_coef=0.05, loss_type="cispo", epsilon_high=0.25)
+    x = _inputs(seed=3)
+    _assert_equal(ours(g, x, sampler_weight=False), trl(g, x, cispo_cap=1.25), x)
+    assert float(ours(g, x, sampler_weight=False).detach()) != pytest.approx(float(trl(g, x).detach()), abs=1e-6)
+
+
+def test_bnpo_divides_by_the_step_tokens_trl_by_each_micro_batch():
+    """One micro-batch: equal. Two: our shares sum to the one-batch loss and gradient (the
+    step's token count divides every micro-batch); TRL's micro-batch means do not."""
+    g = GRPOConfig(kl_coef=0.05, loss_type="bnpo")
+    x = _inputs(seed=5)
+    _assert_equal(ours(g, x, sampler_weight=False), trl(g, x), x)
+    halves = [[0, 1, 2], [3, 4, 5]]
+    whole = ours(g, x, sampler_weight=False)
+    whole_grad = _grad(whole, x)
+    split = sum(ours(g, x, sampler_weight=False, rows=rows) for rows in halves)
+    assert float(split.detach()) == pytest.approx(float(whole.detach()), abs=1e-12)
+    assert torch.allclose(_grad(split, x), whole_grad, atol=1e-12)
+    trl_split = sum(trl(g, x, rows=rows, grad_accum=2) for rows in halves)
+    assert abs(float(trl_split.detach()) - float(whole.detach())) > 1e-3  # the micro-batches' token counts differ
+
+
+def test_kl_bias_correction_changes_the_gradient_not_the_value_on_policy():
+    """On-policy (old = current) the ratio is 1: the loss value is the same with and without
+    the correction, the gradient is not (it gains k3 x grad log pi)."""
+    x = _inputs(seed=11)
+    x["old"] = x["logp"].detach().clone()
+    on, off = (GRPOConfig(kl_coef=0.1, loss_type="grpo", use_bias_correction_kl=flag) for flag in (True, False))
+    loss_on, loss_off = ours(on, x, sampler_weight=False), ours(off, x, sampler_weight=False)
+    assert float(loss_on.detach()) == pytest.approx(float(loss_off.detach()), abs=1e-12)
+    assert (_grad(loss_on, x) - _grad(loss_off, x)).abs().max() > 1e-4
+
+
+def test_objective_combinations_are_checked():
+    from megagrpo.config.schema import ConfigError
+    for bad, message in [({"importance_sampling_level": "sequence", "loss_type": "dapo"}, "use grpo.loss_type=grpo"),
+                         ({"delta": 1.1}, "must be above 1 + epsilon_high"),
+                         ({"delta": 3.0, "loss_type": "cispo"}, "not loss_type cispo"),
+                         ({"top_entropy_quantile": 0.0}, "must be in (0, 1]"),
+                         ({"sapo_temperature_neg": 0.0}, "must be > 0")]:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+            check_objective(GRPOConfig(**bad))
