@@ -21,7 +21,7 @@ def run(fn, hidden, weight, targets, token_w, **kw):
     logp, entropy = fn(hidden, weight, targets, with_entropy=True, **kw)
     loss = (logp * token_w).sum()
     loss.backward()
-    return logp.detach(), entropy, loss.detach(), hidden.grad.clone(), weight.grad.clone()
+    return logp.detach(), entropy.detach(), loss.detach(), hidden.grad.clone(), weight.grad.clone()
 
 
 @pytest.mark.parametrize("N,H,V,chunk", [
@@ -41,7 +41,7 @@ def test_matches_naive_float32(N, H, V, chunk, temperature):
     for name, f, n in zip(["logp", "entropy", "loss", "grad_hidden", "grad_weight"], fused, naive):
         assert f.dtype == n.dtype == torch.float32, name
         torch.testing.assert_close(f, n, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    assert fused[0].max() < 0 and fused[1].min() > 0 and not fused[1].requires_grad
+    assert fused[0].max() < 0 and fused[1].min() > 0
     assert fused[4].abs().max() > 1e-3  # the comparison above is not between zeros
 
 
@@ -72,13 +72,44 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(logp, (hidden, weight))
 
 
+@pytest.mark.parametrize("chunk", [1, 16, 1024])
+def test_entropy_gradient_matches_naive(chunk):
+    """The entropy bonus's gradient through the fused head (dH/dz = -p (log p + H) / T), with
+    and next to the log-probs' own, against autograd through the full logits."""
+    hidden, weight, targets, token_w = make_inputs(40, 16, 97, scale=3.0)
+    entropy_w = torch.randn(40, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for fn, kw in ((fused_token_logprobs, {"chunk_size": chunk}), (naive_token_logprobs, {})):
+        hidden.grad = weight.grad = None
+        logp, entropy = fn(hidden, weight, targets, temperature=0.7, with_entropy=True, **kw)
+        ((logp * token_w).sum() + (entropy * entropy_w).sum()).backward()
+        grads.append((hidden.grad.clone(), weight.grad.clone()))
+    for f, n in zip(*grads):
+        torch.testing.assert_close(f, n, rtol=1e-5, atol=1e-5)
+    hidden.grad = weight.grad = None
+    logp, _ = fused_token_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=chunk, with_entropy=True)
+    (logp * token_w).sum().backward()
+    assert (hidden.grad - grads[0][0]).abs().max() > 1e-3  # the entropy term made a difference
+
+
+def test_entropy_gradcheck_float64():
+    hidden, weight, targets, _ = make_inputs(7, 4, 9, dtype=torch.float64, scale=2.0)
+
+    def entropy(h, w):
+        return fused_token_logprobs(h, w, targets, temperature=0.7, chunk_size=3, with_entropy=True)[1]
+    assert torch.autograd.gradcheck(entropy, (hidden, weight))
+
+
 def test_keeps_no_logits_for_backward():
     N, H, V = 64, 8, 257
     hidden, weight, targets, _ = make_inputs(N, H, V)
     logp, _ = fused_token_logprobs(hidden, weight, targets, chunk_size=16)
     node = logp.grad_fn.next_functions[0][0]  # under the view to the targets' shape
     saved = sum(t.numel() for t in node.saved_tensors)
-    assert saved == N * H + V * H + N + N  # hidden, weight, targets, logsumexp
+    assert saved == N * H + V * H + N + N  # hidden, weight, targets, logsumexp (no entropy asked)
+    logp, entropy = fused_token_logprobs(hidden, weight, targets, chunk_size=16, with_entropy=True)
+    node = logp.grad_fn.next_functions[0][0]
+    assert sum(t.numel() for t in node.saved_tensors) == N * H + V * H + 3 * N  # and the entropy
 
 
 def test_leading_dims_frozen_weight_and_no_grad():

@@ -45,7 +45,7 @@ def _inputs(seed=0):
     logp = (-torch.rand(B, T, generator=gen, dtype=torch.float64) * 3).requires_grad_()
     return {
         "logp": logp,
-        "entropy": torch.rand(B, T, generator=gen, dtype=torch.float64) * 2,
+        "entropy": (torch.rand(B, T, generator=gen, dtype=torch.float64) * 2).requires_grad_(),
         "old": logp.detach() + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.3,
         "ref": logp.detach() + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.2,
         "sampler": logp.detach() + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.1,
@@ -96,7 +96,8 @@ def trl(g: GRPOConfig, x: dict, importance_ratio=None, rows=None, grad_accum: in
         beta=g.kl_coef, loss_type=g.loss_type, epsilon_low=g.epsilon,
         epsilon_high=cispo_cap if cispo_cap is not None else epsilon_high,
         use_vllm=importance_ratio is not None, vllm_importance_sampling_correction=importance_ratio is not None,
-        current_gradient_accumulation_steps=grad_accum, max_completion_length=T, _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=grad_accum, max_completion_length=T,
+        _entropy_bonus_enabled=g.entropy_coef != 0, entropy_coef=g.entropy_coef, use_adaptive_entropy=False,
         _metrics=defaultdict(lambda: defaultdict(list)),
         get_off_policy_mask=trl_trainer.GRPOTrainer.get_off_policy_mask,
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropy, None))
@@ -113,9 +114,11 @@ def trl(g: GRPOConfig, x: dict, importance_ratio=None, rows=None, grad_accum: in
 
 
 def _grad(loss: torch.Tensor, x: dict) -> torch.Tensor:
-    x["logp"].grad = None
+    """The gradient with respect to the policy's log-probs and entropies, side by side."""
+    x["logp"].grad = x["entropy"].grad = None
     loss.backward()
-    return x["logp"].grad.clone()
+    entropy_grad = x["entropy"].grad if x["entropy"].grad is not None else torch.zeros_like(x["logp"])
+    return torch.cat([x["logp"].grad, entropy_grad], dim=1)
 
 
 def _assert_equal(ours_loss, trl_loss, x):
@@ -137,6 +140,8 @@ CASES = {
     "entropy_quantile": {"loss_type": "dapo", "top_entropy_quantile": 0.2},
     "off_policy_mask": {"loss_type": "grpo", "off_policy_mask_threshold": 0.05},
     "no_kl": {"loss_type": "dapo", "kl_coef": 0.0},
+    "entropy_bonus": {"loss_type": "dapo", "entropy_coef": 0.01},
+    "entropy_bonus_grpo": {"loss_type": "grpo", "entropy_coef": 0.05},
     "kl_without_bias_correction": {"loss_type": "grpo", "use_bias_correction_kl": False},
 }
 

@@ -11,7 +11,7 @@ Pure tensor math with no distributed code, checkable against the formulas by rea
       sapo:   -sigmoid(tau * (ratio - 1)) * 4/tau * A,  tau = tau_pos if A > 0 else tau_neg
     L_tok  = policy * keep * w_is + kl_coef * KL_k3 [* ratio]    (ratio: KL bias correction)
     KL_k3  = exp(logp_ref - logp) - (logp_ref - logp) - 1
-    L      = aggregate(L_tok, mask, loss_type)
+    L      = aggregate(L_tok, mask, loss_type) - entropy_coef * mean_t(H)
 
 `w_is` corrects for the sampler (vLLM) and the trainer computing slightly different
 probabilities: the truncated weight min(pi_old / pi_sampler, C) per token, or one weight per
@@ -135,6 +135,12 @@ def per_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch
     return TokenLoss(loss=loss.expand_as(logp), ratio=ratio, kl=kl,
                      clipped_low=(ratio < 1 - epsilon) & (adv < 0),
                      clipped_high=(ratio > 1 + epsilon_high) & (adv > 0))
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, num_tokens: float) -> torch.Tensor:
+    """This micro-batch's share of the step's mean token entropy: sum of H over `mask` /
+    num_tokens (the step's tokens, so any split into micro-batches sums to the same)."""
+    return (entropy * mask).sum() / max(num_tokens, 1.0)
 
 
 def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, *,

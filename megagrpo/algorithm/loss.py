@@ -112,7 +112,11 @@ def micro_batch_loss(g: GRPOConfig, logp: torch.Tensor, entropy: torch.Tensor, i
                                 level=g.importance_sampling_level, delta=g.delta,
                                 sapo_temperatures=(g.sapo_temperature_pos, g.sapo_temperature_neg),
                                 kl_bias_correction=g.use_bias_correction_kl, keep=kept)
-    loss = grpo.aggregate(token.loss, mask, g.loss_type, **normalisers) * share
+    loss = grpo.aggregate(token.loss, mask, g.loss_type, **normalisers)
+    if g.entropy_coef:  # the bonus: a mean over the step's tokens (the entropy quantile's, if set)
+        covered = mask if "entropy/masked" not in keep else mask * keep["entropy/masked"]
+        loss = loss - g.entropy_coef * grpo.entropy_bonus(entropy, covered, normalisers["num_tokens"])
+    loss = loss * share
     if stats is not None:
         _record(stats, inputs, loss, token, entropy, old_logp, is_weights, keep)
     return loss

@@ -131,6 +131,9 @@ class GRPOConfig:
     off_policy_mask_threshold: Optional[float] = None
     """Leave out of the policy term each sequence with a negative advantage whose mean
     KL(sampler || policy) per token is above this (DeepSeek-V3.2's off-policy sequence mask)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss minus entropy_coef x the mean entropy of the step's completion
+    tokens (those the entropy quantile keeps), which pushes towards exploration."""
     top_entropy_quantile: float = 1.0
     """Share of each micro-batch's tokens, the highest-entropy ones, that the policy term
     covers (0.2: the "80/20" result); 1: all."""
@@ -324,6 +327,7 @@ ALIASES = {
     "use_bias_correction_kl": "grpo.use_bias_correction_kl",
     "off_policy_mask_threshold": "grpo.off_policy_mask_threshold",
     "top_entropy_quantile": "grpo.top_entropy_quantile",
+    "entropy_coef": "grpo.entropy_coef",
     "mask_truncated_completions": "grpo.mask_truncated_completions",
     "vllm_importance_sampling_correction": "grpo.importance_sampling_correction",
     "vllm_importance_sampling_mode": "grpo.importance_sampling_correction",

@@ -119,6 +119,7 @@ def check_objective(g) -> None:
             "grpo.sapo_temperature_pos/neg must be > 0 (defaults 1.0 and 1.05)")
     require(g.off_policy_mask_threshold is None or g.off_policy_mask_threshold >= 0,
             f"grpo.off_policy_mask_threshold: {g.off_policy_mask_threshold} must be >= 0, or null")
+    require(g.entropy_coef >= 0, f"grpo.entropy_coef: {g.entropy_coef} must be >= 0 (0: no entropy bonus)")
     require(0 < g.top_entropy_quantile <= 1,
             f"grpo.top_entropy_quantile: {g.top_entropy_quantile} must be in (0, 1], e.g. 0.2; 1 keeps every token")
 

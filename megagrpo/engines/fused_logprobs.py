@@ -5,7 +5,8 @@ backward, their gradient: for N=8192 tokens and a 152k vocabulary that is ~5 GB 
 float32. Here the logits of at most `chunk_size` tokens exist at a time:
 
     forward:   z = hidden_c @ weight.T / T     lse_c = logsumexp(z)     logp_c = z[target] - lse_c
-    backward:  recompute z,  dz = g_c * (onehot(target) - softmax(z)) / T
+               entropy_c = -sum_j p_j log p_j  (p = softmax(z)), when asked
+    backward:  recompute z,  dz = g_c * (onehot(target) - p) / T  [- gH_c * p * (log p + H_c) / T]
                grad_hidden_c = dz @ weight     grad_weight += dz.T @ hidden_c
 
 Only hidden, weight, targets and lse (N floats) are kept for backward. The matmuls run in the
@@ -81,15 +82,19 @@ class _FusedLogprobs(torch.autograd.Function):
                 entropy[s:e] = -_all_reduce(logits.exp().mul_(logits).sum(dim=-1), dist.ReduceOp.SUM, group)
             del logits  # before the next chunk's logits exist
         del w
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk_size, ctx.group, ctx.offset = temperature, chunk_size, group, offset
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # no entropy gradient to compute unless the loss uses it
         return logp, entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        if grad_entropy is not None and not bool(grad_entropy.any()):
+            grad_entropy = None  # the caller stacked (logp, entropy) and uses logp only
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         N, T, V_local = hidden.shape[0], ctx.temperature, weight.shape[0]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -100,7 +105,13 @@ class _FusedLogprobs(torch.autograd.Function):
             e = min(s + ctx.chunk_size, N)
             scale = (grad_logp[s:e] / T).to(lse.dtype)[:, None]   # (n, 1)
             # dz = scale * (onehot - softmax), built in place in the recomputed logits
-            dz = _chunk_logits(hidden[s:e], w, T).sub_(lse[s:e, None]).exp_().mul_(-scale)
+            log_p = _chunk_logits(hidden[s:e], w, T).sub_(lse[s:e, None])
+            if grad_entropy is None:
+                dz = log_p.exp_().mul_(-scale)
+            else:  # dH/dz_j = -p_j (log p_j + H) / T
+                h_scale = (grad_entropy[s:e] / T).to(lse.dtype)[:, None]
+                dz = log_p.exp() * -(scale + h_scale * (log_p + entropy[s:e, None]))
+                del log_p
             local, inside = _in_shard(targets[s:e], ctx.offset, V_local)
             dz.scatter_add_(1, local[:, None], scale * inside[:, None])
             dz = dz.to(w.dtype)
@@ -124,9 +135,10 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          temperature: float = 1.0, chunk_size: int = 1024,
                          with_entropy: bool = False, vocab_group=None,
                          vocab_offset: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """log softmax(hidden @ weight.T / temperature)[target] per token, and the entropy (no
-    gradient) when asked. hidden (..., H), weight (V, H), targets (...) -> float32 (...), with at
-    most chunk_size x V logits alive at a time in forward and backward.
+    """log softmax(hidden @ weight.T / temperature)[target] per token, and the entropy of the
+    distribution when asked (both differentiable). hidden (..., H), weight (V, H), targets
+    (...) -> float32 (...), with at most chunk_size x V logits alive at a time in forward and
+    backward.
 
     Vocab-parallel: with `vocab_group` (a torch.distributed group), `weight` is this rank's
     shard, rows vocab_offset .. vocab_offset + len(weight) of the vocabulary; targets are
@@ -148,11 +160,10 @@ def naive_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor,
                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(logits / temperature)[target] and the entropy (no gradient), in at least
-    float32: the full-logits path."""
+    """log softmax(logits / temperature)[target] and the entropy, in at least float32: the
+    full-logits path."""
     acc = torch.promote_types(logits.dtype, torch.float32)
     logp_all = (logits.to(acc) / temperature).log_softmax(dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
     return logp, entropy

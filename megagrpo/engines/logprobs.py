@@ -106,4 +106,4 @@ def completion_logprobs(model, batch, temperature: float, packing: bool = True,
         index = (torch.arange(C, device=device)[None, :] < batch.completion_lens[:, None]).nonzero(as_tuple=True)
         logp, entropy = logp.view(B, C)[index], entropy.view(B, C)[index]
     zeros = torch.zeros(batch.completion_ids.shape, dtype=logp.dtype, device=device)
-    return zeros.index_put(index, logp), zeros.index_put(index, entropy.detach())
+    return zeros.index_put(index, logp), zeros.index_put(index, entropy)

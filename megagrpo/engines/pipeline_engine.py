@@ -140,7 +140,7 @@ class _StageLoss:
             return outputs.new_zeros(())
         rows, cols, mask, advantages, sampler_logp, old_logp, ref_logp, share = labels
         logp = _scatter_tokens(outputs[:, 0], rows, cols, mask)
-        entropy = _scatter_tokens(outputs[:, 1].detach(), rows, cols, mask)
+        entropy = _scatter_tokens(outputs[:, 1], rows, cols, mask)
         inputs = LossInputs(mask, advantages, sampler_logp, old_logp if old_logp.numel() else None,
                             ref_logp if ref_logp.numel() else None)
         share = float(share[0])
