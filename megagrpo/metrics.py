@@ -62,9 +62,10 @@ def rollout_metrics(rewards: torch.Tensor, per_function: torch.Tensor, advantage
 
 
 class PhaseClock:
-    """Seconds and peak resident memory of each phase of a step, lap by lap. The peak is this
-    process's high-water mark (Linux VmHWM), reset at every lap through /proc/self/clear_refs,
-    so a phase's peak includes its transients; 0 where /proc has neither."""
+    """Seconds and peak resident memory of each phase of a step, lap by lap (a phase lapped
+    twice adds up its seconds and keeps the larger peak). The peak is this process's high-water
+    mark (Linux VmHWM), reset at every lap through /proc/self/clear_refs, so a phase's peak
+    includes its transients; 0 where /proc has neither."""
 
     def __init__(self):
         self.seconds, self.peak_rss_gib = {}, {}
@@ -73,8 +74,8 @@ class PhaseClock:
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
-        self.seconds[phase], self._start = now - self._start, now
-        self.peak_rss_gib[phase] = _status_gib("VmHWM")
+        self.seconds[phase], self._start = self.seconds.get(phase, 0.0) + now - self._start, now
+        self.peak_rss_gib[phase] = max(self.peak_rss_gib.get(phase, 0.0), _status_gib("VmHWM"))
         _reset_peak_rss()
 
     def metrics(self) -> dict:

@@ -23,12 +23,16 @@ def _command(tiny, out, extra):
 
 
 def _prompts_by_step(out):
+    """step -> its prompts (with dynamic sampling: the list of its rounds' prompts)."""
     seen = {}
     with open(os.path.join(out, "prompts_seen.jsonl")) as f:
         for line in f:
             row = json.loads(line)
-            seen[row["step"]] = row["prompts"]  # a resumed run repeats the steps after its checkpoint
-    return seen
+            if "round" in row:
+                seen[row["step"]] = [*seen[row["step"]], row["prompts"]]
+            else:  # a resumed run repeats the steps after its checkpoint
+                seen[row["step"]] = [row["prompts"]]
+    return {step: rounds[0] if len(rounds) == 1 else rounds for step, rounds in seen.items()}
 
 
 def _wait_for(condition, timeout, proc):
@@ -42,9 +46,12 @@ def _wait_for(condition, timeout, proc):
     raise AssertionError("timed out waiting for the run")
 
 
-@pytest.mark.parametrize("num_iterations", [1, 2])
-def test_sigkill_and_resume_is_exact(tiny, tmp_path, num_iterations):
-    extra = [f"grpo.num_iterations={num_iterations}"]
+@pytest.mark.parametrize("variant", ["mu1", "mu2", "dynamic_sampling"])
+def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
+    """mu1, mu2: num_iterations 1 and 2; dynamic_sampling: several sampling rounds a step, the
+    sampler's position after them saved and restored."""
+    extra = {"mu1": ["grpo.num_iterations=1"], "mu2": ["grpo.num_iterations=2"],
+             "dynamic_sampling": ["grpo.dynamic_sampling=true"]}[variant]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run(_command(tiny, straight, extra))
 
@@ -63,6 +70,9 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, num_iterations):
 
     assert _prompts_by_step(killed) == _prompts_by_step(straight)
     assert sorted(_prompts_by_step(straight)) == [1, 2, 3, 4, 5, 6]
+    if variant == "dynamic_sampling":  # rounds were sampled, and their prompts never repeat within a step
+        rounds = [r for r in _prompts_by_step(straight).values() if isinstance(r[0], list)]
+        assert rounds and all(len({p for part in r for p in part}) == sum(map(len, r)) for r in rounds)
     a = load_file(str(straight / "hf" / "model.safetensors"))
     b = load_file(str(killed / "hf" / "model.safetensors"))
     start = load_file(os.path.join(tiny["warm"], "model.safetensors"))

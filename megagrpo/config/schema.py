@@ -139,6 +139,12 @@ class GRPOConfig:
     covers (0.2: the "80/20" result); 1: all."""
     num_iterations: int = 1
     """mu: optimisation passes over each generated batch (old-policy logprobs when > 1)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop the groups whose rewards are all equal (no advantage, no
+    policy gradient) and sample more prompts until every rank has its share of informative
+    groups, or max_sampling_rounds; then train on what they have (docs/objectives.md)."""
+    max_sampling_rounds: int = 3
+    """Most sampling rounds per step with dynamic_sampling."""
     mask_truncated_completions: bool = False
     """Exclude completions cut at max_new_tokens from the loss."""
     importance_sampling_correction: Literal[True, False, "token_truncate", "sequence_truncate",

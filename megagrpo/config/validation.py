@@ -119,6 +119,10 @@ def check_objective(g) -> None:
             "grpo.sapo_temperature_pos/neg must be > 0 (defaults 1.0 and 1.05)")
     require(g.off_policy_mask_threshold is None or g.off_policy_mask_threshold >= 0,
             f"grpo.off_policy_mask_threshold: {g.off_policy_mask_threshold} must be >= 0, or null")
+    require(g.max_sampling_rounds >= 1, f"grpo.max_sampling_rounds: {g.max_sampling_rounds} must be >= 1")
+    require(not (g.dynamic_sampling and g.scale_rewards == "batch"),
+            "grpo.dynamic_sampling: the dropped groups would leave the batch's reward std measured on what "
+            "remains; use grpo.scale_rewards=group (or none) with dynamic sampling")
     require(g.entropy_coef >= 0, f"grpo.entropy_coef: {g.entropy_coef} must be >= 0 (0: no entropy bonus)")
     require(0 < g.top_entropy_quantile <= 1,
             f"grpo.top_entropy_quantile: {g.top_entropy_quantile} must be in (0, 1], e.g. 0.2; 1 keeps every token")

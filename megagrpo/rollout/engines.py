@@ -23,10 +23,14 @@ from megagrpo.config.schema import Config, max_sequence_length
 from megagrpo.rollout.batch import Completion
 
 
-def sampling_seed(seed: int, step: int, prompt_index: int) -> int:
-    """The sampling seed of one prompt's group: a pure function of (seed, step, prompt), so a
-    prompt's samples are the same whatever the layout and after a resume. Held-out evaluation
-    uses step EVAL_STEP at every evaluation, so its samples are comparable over training."""
+def sampling_seed(seed: int, step: int, prompt_index: int, sampling_round: int = 0) -> int:
+    """The sampling seed of one prompt's group: a pure function of (seed, step, prompt, round),
+    so a prompt's samples are the same whatever the layout and after a resume. Held-out
+    evaluation uses step EVAL_STEP at every evaluation, so its samples are comparable over
+    training; rounds after the first of dynamic sampling (grpo.dynamic_sampling) get steps of
+    their own, below EVAL_STEP."""
+    if sampling_round:
+        step = EVAL_STEP - 1 - (step * 1000 + sampling_round)
     return ((seed * 1_000_003 + step) * 1_000_033 + prompt_index) % 2**31
 
 
