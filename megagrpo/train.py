@@ -17,14 +17,13 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 
 import torch
 
 from megagrpo import evaluation
 from megagrpo.algorithm import grpo
 from megagrpo.checkpoints import checkpoint
-from megagrpo.cluster.distributed import all_gather_1d, all_reduce, init_distributed
+from megagrpo.cluster.distributed import all_gather_1d, init_distributed
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.deepspeed_json import zero_stage
 from megagrpo.config.loading import load_config
@@ -50,6 +49,7 @@ from megagrpo.rewards import (
 from megagrpo.rollout.agent import AgentLoop, agent_metrics, answer_texts, completion_fields
 from megagrpo.rollout.batch import make_batch
 from megagrpo.rollout.engines import build_rollout_engine, sampling_seed
+from megagrpo.rollout.groups import SampledGroups, sample_informative_groups
 from megagrpo.rollout.tools import Toolset
 from megagrpo.rollout.weight_sync import sync_weights
 
@@ -140,7 +140,11 @@ class Trainer:
         clock = PhaseClock()
         # rollout (G completions or multi-turn trajectories per prompt, with the sampler's
         # logprobs) and rewards; dynamic sampling: more rounds until the groups are informative
-        sampled = self.sample_informative_groups(clock) if g.dynamic_sampling else self.sample_groups(0, clock)
+        if g.dynamic_sampling:
+            sampled = sample_informative_groups(lambda r: self.sample_groups(r, clock), self.sampler.per_rank,
+                                                g.max_sampling_rounds, self.topo.dp_group)
+        else:
+            sampled = self.sample_groups(0, clock)
         prompt_of, completions, texts = sampled.prompts, sampled.completions, sampled.texts
         rewards, per_function, details = sampled.rewards, sampled.per_function, sampled.details
 
@@ -184,7 +188,7 @@ class Trainer:
         metrics.update(clock.metrics())
         return {k: float(v) for k, v in metrics.items()}
 
-    def sample_groups(self, sampling_round: int, clock: PhaseClock) -> "SampledGroups":
+    def sample_groups(self, sampling_round: int, clock: PhaseClock) -> SampledGroups:
         """The next prompts of this rank, their groups sampled and scored."""
         g = self.cfg.grpo
         indices = self.sampler.next_indices()
@@ -199,29 +203,6 @@ class Trainer:
         rewards, per_function, details = self.score(prompt_of, texts, completions)
         clock.lap("reward" if sampling_round == 0 else "resampling")
         return SampledGroups(prompt_of, completions, texts, rewards, per_function, details, g.num_generations)
-
-    def sample_informative_groups(self, clock: PhaseClock) -> "SampledGroups":
-        """DAPO's dynamic sampling: keep the groups whose rewards differ, and sample more rounds
-        of prompts while any dp rank has fewer than its share (up to max_sampling_rounds; every
-        rank samples each round, so the prompt order stays one for all ranks). Every rank then
-        trains on as many groups as the rank with the fewest has (a rank that has none takes
-        one group of its first round, which has no advantage)."""
-        g, share = self.cfg.grpo, self.sampler.per_rank
-        first = self.sample_groups(0, clock)
-        kept, sampled, rounds = first.informative(), first.num_groups, 1
-        while rounds < g.max_sampling_rounds:
-            short = all_reduce(torch.tensor([max(0, share - kept.num_groups)]), "max", self.topo.dp_group)
-            if int(short[0]) == 0:
-                break
-            more = self.sample_groups(rounds, clock)
-            kept, sampled, rounds = kept.concat(more.informative()), sampled + more.num_groups, rounds + 1
-        count = int(all_reduce(torch.tensor([min(kept.num_groups, share)]), "min", self.topo.dp_group)[0])
-        result = kept.first(count) if count else first.first(1)
-        totals = all_reduce(torch.tensor([sampled, kept.num_groups, result.num_groups], dtype=torch.float64),
-                            group=self.topo.dp_group).tolist()
-        result.metrics = {"sampling/rounds": rounds, "sampling/groups_sampled": totals[0],
-                          "sampling/groups_informative": totals[1], "sampling/groups_kept": totals[2]}
-        return result
 
     def generate(self, prompts: list[Prompt], n, seeds, greedy=False):
         """Sample on the first rank of each model group (one engine call, or the multi-turn
@@ -306,52 +287,6 @@ class Trainer:
         path = checkpoint.save(self.engine.policy, self.ckpt_root, state, self.cfg.checkpoint.keep_last,
                                self.topo.is_main, self.topo.rank)
         self.log(f"checkpoint saved: {path}")
-
-
-@dataclass
-class SampledGroups:
-    """A step's groups as sampled and scored: per completion its prompt, the completion, the
-    text the rewards read, the reward and per-function rewards, and the rewards' details."""
-    prompts: list
-    completions: list
-    texts: list
-    rewards: torch.Tensor
-    per_function: torch.Tensor
-    details: dict
-    group_size: int
-    metrics: dict = field(default_factory=dict)
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.completions) // self.group_size
-
-    def select(self, groups: list[int]) -> "SampledGroups":
-        rows = [g * self.group_size + j for g in groups for j in range(self.group_size)]
-        details = {"components": {k: v[rows] for k, v in self.details.get("components", {}).items()},
-                   "reasons": {k: [v[i] for i in rows] for k, v in self.details.get("reasons", {}).items()}}
-        return SampledGroups([self.prompts[i] for i in rows], [self.completions[i] for i in rows],
-                             [self.texts[i] for i in rows], self.rewards[rows], self.per_function[rows],
-                             {k: v for k, v in details.items() if v}, self.group_size)
-
-    def informative(self) -> "SampledGroups":
-        """The groups whose rewards are not all equal (the others have no advantage)."""
-        spread = self.rewards.view(-1, self.group_size).std(dim=1) > 1e-6
-        return self.select(spread.nonzero().flatten().tolist())
-
-    def first(self, count: int) -> "SampledGroups":
-        return self.select(list(range(count)))
-
-    def concat(self, other: "SampledGroups") -> "SampledGroups":
-        details = {key: {**self.details.get(key, {})} for key in ("components", "reasons")}
-        for name, values in other.details.get("components", {}).items():
-            mine = details["components"].get(name)
-            details["components"][name] = values if mine is None else torch.cat([mine, values])
-        for name, values in other.details.get("reasons", {}).items():
-            details["reasons"][name] = details["reasons"].get(name, []) + values
-        return SampledGroups(self.prompts + other.prompts, self.completions + other.completions,
-                             self.texts + other.texts, torch.cat([self.rewards, other.rewards]),
-                             torch.cat([self.per_function, other.per_function]),
-                             {k: v for k, v in details.items() if v}, self.group_size)
 
 
 def parse_args(argv=None):

@@ -210,3 +210,33 @@ def test_objective_combinations_are_checked():
                          ({"sapo_temperature_neg": 0.0}, "must be > 0")]:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
             check_objective(GRPOConfig(**bad))
+
+
+def test_dynamic_sampling_keeps_informative_groups_and_their_details():
+    from megagrpo.rollout.groups import SampledGroups, sample_informative_groups
+
+    def round_of(rewards, tag):
+        n = len(rewards)
+        return SampledGroups([f"{tag}p{i // 2}" for i in range(n)], [f"{tag}c{i}" for i in range(n)],
+                             [f"{tag}t{i}" for i in range(n)], torch.tensor(rewards), torch.tensor(rewards)[:, None],
+                             {"components": {"f/x": torch.tensor(rewards) * 10}, "reasons": {"f": [tag] * n}}, 2)
+
+    rounds = [round_of([1.0, 1.0, 0.0, 1.0, 0.0, 0.0], "a"), round_of([0.0, 0.0, 1.0, 0.0], "b"),
+              round_of([0.5, 0.0, 0.0, 0.0], "c")]
+    calls = []
+
+    def sample_round(r):
+        calls.append(r)
+        return rounds[r]
+
+    kept = sample_informative_groups(sample_round, share=2, max_rounds=3)
+    assert calls == [0, 1]  # the second round filled the share; no third
+    assert kept.completions == ["ac2", "ac3", "bc2", "bc3"] and kept.prompts == ["ap1", "ap1", "bp1", "bp1"]
+    assert kept.rewards.tolist() == [0.0, 1.0, 1.0, 0.0] and kept.per_function.shape == (4, 1)
+    assert kept.details["components"]["f/x"].tolist() == [0.0, 10.0, 10.0, 0.0]
+    assert kept.details["reasons"]["f"] == ["a", "a", "b", "b"]
+    assert kept.metrics == {"sampling/rounds": 2, "sampling/groups_sampled": 5.0,
+                            "sampling/groups_informative": 2.0, "sampling/groups_kept": 2.0}
+    calls.clear()
+    none = sample_informative_groups(lambda r: round_of([1.0, 1.0], "z"), share=1, max_rounds=2)
+    assert none.num_groups == 1 and none.metrics["sampling/groups_informative"] == 0  # one group, no advantage
