@@ -166,8 +166,10 @@ class Trainer:
             batch.old_logp = self.engine.logprobs(batch, micro_batches)
         clock.lap("reference")
 
-        # policy update: mu passes, one optimizer step each
+        # policy update: mu passes, one optimizer step each; a moving reference follows it
         metrics = self.engine.optimize(batch, micro_batches)
+        if g.sync_ref_model and (self.step + 1) % g.ref_model_sync_steps == 0:
+            self.engine.mix_reference(g.ref_model_mixup_alpha)
         clock.lap("train")
 
         self.sync_rollout_weights()
@@ -274,6 +276,8 @@ class Trainer:
         if state is not None:
             self.step = state["step"]
             self.sampler.load_state_dict(state["sampler"])
+            if self.cfg.grpo.sync_ref_model:
+                self.engine.load_reference_state(checkpoint.load_reference(state, self.topo.rank))
 
     def save(self) -> None:
         model = self.cfg.model.name_or_path
@@ -284,8 +288,9 @@ class Trainer:
             model=os.path.abspath(model) if os.path.isdir(model) else model,
             layout={"tp": self.topo.tp_size, "pp": self.topo.pp_size,
                     "zero_stage": zero_stage(self.cfg.deepspeed), "dtype": self.cfg.model.dtype})
+        reference = self.engine.reference_state() if self.cfg.grpo.sync_ref_model else None
         path = checkpoint.save(self.engine.policy, self.ckpt_root, state, self.cfg.checkpoint.keep_last,
-                               self.topo.is_main, self.topo.rank)
+                               self.topo.is_main, self.topo.rank, reference)
         self.log(f"checkpoint saved: {path}")
 
 

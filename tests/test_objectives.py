@@ -240,3 +240,25 @@ def test_dynamic_sampling_keeps_informative_groups_and_their_details():
     calls.clear()
     none = sample_informative_groups(lambda r: round_of([1.0, 1.0], "z"), share=1, max_rounds=2)
     assert none.num_groups == 1 and none.metrics["sampling/groups_informative"] == 0  # one group, no advantage
+
+
+def test_moving_reference_mixes_partition_by_partition_on_two_zero3_ranks(tiny, tmp_path):
+    """Every 2 steps the reference becomes 0.5 x policy + 0.5 x reference (ZeRO-3, 2 ranks,
+    each rank mixing its own partitions); in between it stays as it was."""
+    from conftest import BIN, ROOT, free_port, run, tiny_overrides
+    out = tmp_path / "ref"
+    run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "tests/helpers/reference_probe.py",
+         "--config", "configs/tiny_arith.yaml",
+         *tiny_overrides(tiny, out, **{"data.eval_file": "null", "grpo.per_device_train_batch_size": 16,
+                                       "grpo.learning_rate": 1e-3, "grpo.sync_ref_model": "true",
+                                       "grpo.ref_model_sync_steps": 2, "grpo.ref_model_mixup_alpha": 0.5})],
+        env={"PYTHONPATH": ROOT})
+    records = torch.load(out / "reference_probe.pt", weights_only=True)
+    for step in (1, 2, 3):
+        before, now = records[step - 1]["reference"], records[step]["reference"]
+        policy = records[step]["policy"]
+        for name in now:
+            expected = 0.5 * policy[name] + 0.5 * before[name] if step % 2 == 0 else before[name]
+            torch.testing.assert_close(now[name], expected, atol=1e-6, rtol=0, msg=f"step {step} {name}")
+    moved = max((records[2]["reference"][k] - records[0]["reference"][k]).abs().max() for k in records[0]["reference"])
+    assert moved > 1e-4

@@ -46,12 +46,15 @@ def _wait_for(condition, timeout, proc):
     raise AssertionError("timed out waiting for the run")
 
 
-@pytest.mark.parametrize("variant", ["mu1", "mu2", "dynamic_sampling"])
+@pytest.mark.parametrize("variant", ["mu1", "mu2", "dynamic_sampling", "moving_reference"])
 def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
     """mu1, mu2: num_iterations 1 and 2; dynamic_sampling: several sampling rounds a step, the
-    sampler's position after them saved and restored."""
+    sampler's position after them saved and restored; moving_reference: the reference moved at
+    step 2 is saved with the step-3 checkpoint (each rank's partitions) and restored."""
     extra = {"mu1": ["grpo.num_iterations=1"], "mu2": ["grpo.num_iterations=2"],
-             "dynamic_sampling": ["grpo.dynamic_sampling=true"]}[variant]
+             "dynamic_sampling": ["grpo.dynamic_sampling=true"],
+             "moving_reference": ["grpo.sync_ref_model=true", "grpo.ref_model_sync_steps=2",
+                                  "grpo.ref_model_mixup_alpha=0.5", "grpo.learning_rate=1e-3"]}[variant]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run(_command(tiny, straight, extra))
 
@@ -67,6 +70,8 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
     assert not (killed / "hf").exists()
     resumed = run(_command(tiny, killed, extra))
     assert "at step 3" in resumed.stdout
+    if variant == "moving_reference":
+        assert (killed / "checkpoints" / "step_00000003" / "reference_rank1.pt").is_file()
 
     assert _prompts_by_step(killed) == _prompts_by_step(straight)
     assert sorted(_prompts_by_step(straight)) == [1, 2, 3, 4, 5, 6]

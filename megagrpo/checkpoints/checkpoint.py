@@ -134,8 +134,10 @@ def resume_candidates(root: str, log=print) -> list[str]:
 
 
 
-def save(engine, root: str, state: TrainerState, keep_last: int, is_main: bool, rank: int) -> str:
-    """Collective: every rank calls it. Returns the checkpoint folder."""
+def save(engine, root: str, state: TrainerState, keep_last: int, is_main: bool, rank: int,
+         reference: Optional[dict] = None) -> str:
+    """Collective: every rank calls it. Returns the checkpoint folder. `reference`: this rank's
+    parts of a moving reference model (grpo.sync_ref_model), saved beside the engine's files."""
     step = state.step
     tag = f"step_{step:08d}"
     tmp = f"{tag}.tmp"
@@ -146,6 +148,8 @@ def save(engine, root: str, state: TrainerState, keep_last: int, is_main: bool, 
     engine.save_checkpoint(root, tag=tmp, save_latest=False)
     with open(os.path.join(root, tmp, f"rng_rank{rank}.json"), "w") as f:
         json.dump(rng_state(), f)
+    if reference is not None:
+        torch.save(reference, os.path.join(root, tmp, f"reference_rank{rank}.pt"))
     _barrier()
     if is_main:
         _crash_point("engine_saved", step)
@@ -283,7 +287,7 @@ def resume(engine, root: str, setting: str, topo: Topology, num_prompts: int, pr
                 note = (f" (re-sharded from dp {state['dp_size']} x tp {state['layout'].get('tp', 1)} "
                         f"to dp {topo.dp_size} x tp {topo.tp_size})")
             log(f"resumed from {path} at step {state['step']}{note}")
-            return state
+            return {**state, "path": path, "resharded": reshard}
         if setting != "auto":
             raise ConfigError(f"checkpoint.resume: '{path}' could not be loaded: {error}")
         log(f"checkpoint '{path}' could not be loaded ({error or 'on another rank'}); "
@@ -291,6 +295,20 @@ def resume(engine, root: str, setting: str, topo: Topology, num_prompts: int, pr
     if candidates:
         raise ConfigError(f"no checkpoint under {root} could be loaded; move the folder away to start over")
     return None
+
+
+def load_reference(state: dict, rank: int) -> dict:
+    """This rank's parts of the moving reference saved with the checkpoint `state` came from
+    (resume's return); the reference resumes only on the layout it was saved with."""
+    path = os.path.join(state["path"], f"reference_rank{rank}.pt")
+    if state.get("resharded"):
+        raise ConfigError(f"{state['path']}: grpo.sync_ref_model's reference is saved per rank and resumes on "
+                          f"the layout it was saved with (dp {state['dp_size']}, tp {state['layout'].get('tp', 1)}, "
+                          f"pp {state['layout'].get('pp', 1)}); resume with that layout")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{state['path']} has no {os.path.basename(path)}: it was saved without "
+                          "grpo.sync_ref_model; resume it with grpo.sync_ref_model=false")
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _check_resumable(path: str, topo: Topology, num_prompts: int, prompts_per_step: int, zero: int) -> bool:

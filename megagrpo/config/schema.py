@@ -139,6 +139,13 @@ class GRPOConfig:
     covers (0.2: the "80/20" result); 1: all."""
     num_iterations: int = 1
     """mu: optimisation passes over each generated batch (old-policy logprobs when > 1)."""
+    sync_ref_model: bool = False
+    """A moving reference (TR-DPO; TRL's sync_ref_model): every ref_model_sync_steps steps the
+    reference becomes ref_model_mixup_alpha x policy + (1 - alpha) x reference. Needs kl_coef > 0."""
+    ref_model_sync_steps: int = 512
+    """Steps between two updates of the moving reference."""
+    ref_model_mixup_alpha: float = 0.6
+    """The policy's share in each update of the moving reference (1: a copy)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop the groups whose rewards are all equal (no advantage, no
     policy gradient) and sample more prompts until every rank has its share of informative
@@ -334,6 +341,9 @@ ALIASES = {
     "off_policy_mask_threshold": "grpo.off_policy_mask_threshold",
     "top_entropy_quantile": "grpo.top_entropy_quantile",
     "entropy_coef": "grpo.entropy_coef",
+    "sync_ref_model": "grpo.sync_ref_model",
+    "ref_model_sync_steps": "grpo.ref_model_sync_steps",
+    "ref_model_mixup_alpha": "grpo.ref_model_mixup_alpha",
     "mask_truncated_completions": "grpo.mask_truncated_completions",
     "vllm_importance_sampling_correction": "grpo.importance_sampling_correction",
     "vllm_importance_sampling_mode": "grpo.importance_sampling_correction",

@@ -119,6 +119,12 @@ def check_objective(g) -> None:
             "grpo.sapo_temperature_pos/neg must be > 0 (defaults 1.0 and 1.05)")
     require(g.off_policy_mask_threshold is None or g.off_policy_mask_threshold >= 0,
             f"grpo.off_policy_mask_threshold: {g.off_policy_mask_threshold} must be >= 0, or null")
+    require(not g.sync_ref_model or g.kl_coef > 0,
+            "grpo.sync_ref_model: there is no reference model with kl_coef 0; set grpo.kl_coef > 0 or "
+            "grpo.sync_ref_model=false")
+    require(g.ref_model_sync_steps >= 1, f"grpo.ref_model_sync_steps: {g.ref_model_sync_steps} must be >= 1")
+    require(0 < g.ref_model_mixup_alpha <= 1,
+            f"grpo.ref_model_mixup_alpha: {g.ref_model_mixup_alpha} must be in (0, 1], e.g. 0.6")
     require(g.max_sampling_rounds >= 1, f"grpo.max_sampling_rounds: {g.max_sampling_rounds} must be >= 1")
     require(not (g.dynamic_sampling and g.scale_rewards == "batch"),
             "grpo.dynamic_sampling: the dropped groups would leave the batch's reward std measured on what "

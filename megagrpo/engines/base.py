@@ -59,6 +59,50 @@ class PolicyEngine:
 
     # ---- shared -------------------------------------------------------------------------------
 
+    def _reference_parts(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(key, policy parameter, reference tensor) for this rank's parts of the reference: a
+        ZeRO-3 parameter's partition (ds_tensor) and, for one small enough to stay gathered
+        (ds_persist: forward reads that copy, once gathered), its whole tensor too; else the parameter. The
+        reference is built with the policy's layout, so the partitions correspond."""
+        reference = getattr(self.reference, "module", self.reference)
+        policy = dict(self.policy.module.named_parameters())
+        for name, ref_param in reference.named_parameters():
+            if not hasattr(ref_param, "ds_tensor"):
+                yield name, policy[name], ref_param.data
+                continue
+            yield name, policy[name], ref_param.ds_tensor
+            if getattr(ref_param, "ds_persist", False) and ref_param.data.numel():  # gathered at its first use
+                yield name + ".whole", policy[name], ref_param.data
+
+    @torch.no_grad()
+    def mix_reference(self, alpha: float) -> None:
+        """The moving reference (TR-DPO; TRL's sync_ref_model): reference = alpha x policy +
+        (1 - alpha) x reference, each rank on its own partitions; only the few parameters
+        ZeRO-3 keeps whole (below its persistence threshold) are gathered from the policy."""
+        import deepspeed
+
+        for key, param, theirs in self._reference_parts():
+            if key.endswith(".whole"):
+                with deepspeed.zero.GatheredParameters([param]):
+                    mine = param.data.clone()
+            else:
+                mine = param.ds_tensor if hasattr(param, "ds_tensor") else param.data
+            if mine.shape != theirs.shape:
+                raise RuntimeError(f"reference weight {key} is laid out unlike the policy's: "
+                                   f"{tuple(theirs.shape)} vs {tuple(mine.shape)}")
+            theirs.mul_(1 - alpha).add_(mine.to(theirs.device, theirs.dtype), alpha=alpha)
+
+    def reference_state(self) -> dict:
+        """This rank's parts of the reference's weights, for a checkpoint."""
+        return {key: theirs.detach().cpu().clone() for key, _, theirs in self._reference_parts()}
+
+    @torch.no_grad()
+    def load_reference_state(self, state: dict) -> None:
+        """Restore reference_state(); a whole copy not yet gathered here is built from the
+        restored partitions at its first use."""
+        for key, _, theirs in self._reference_parts():
+            theirs.copy_(state[key])
+
     def micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
         """Row indices per micro-batch: within the token budget and balanced, or fixed-size.
         Every rank gets the same number of micro-batches."""
