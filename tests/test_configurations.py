@@ -1,6 +1,6 @@
 """The configurations users actually run, each trained in a test: bf16, ZeRO-2, ZeRO-3 with
-CPU offload, no reference model (kl_coef 0), truncated completions masked, GSPO and CISPO with
-their masks and an entropy bonus (docs/objectives.md), tensor parallelism
+CPU offload, no reference model (kl_coef 0), truncated completions masked, CISPO with the
+entropy and off-policy masks (docs/objectives.md), tensor parallelism
 under ZeRO 0, 1 and 2, and a model with an untied LM head (most large checkpoints) on one rank
 and in a pipeline, with its HF export and both `megagrpo convert` directions.
 
@@ -177,12 +177,8 @@ def test_tensor_parallel(untied, one_rank, tmp_path, ds):
     # random model's completions before the 8th token (its EOS is rare), so some are cut, not all
     pytest.param(["deepspeed=configs/ds_zero3_offload.json", "grpo.mask_truncated_completions=true",
                   "rollout.max_new_tokens=8", "rollout.stop=[e]"], id="zero3-offload-mask-truncated"),
-    # GSPO (one clipped ratio per sequence) with the sampler correction masking whole sequences
-    # and an entropy bonus, whose gradient runs through the fused log-prob head
-    pytest.param(["grpo.loss_type=grpo", "grpo.importance_sampling_level=sequence", "grpo.epsilon=3e-4",
-                  "grpo.epsilon_high=4e-4", "grpo.importance_sampling_correction=sequence_mask",
-                  "grpo.entropy_coef=0.01"], id="gspo-sequence-mask-entropy-bonus"),
-    # CISPO on the highest-entropy fifth of the tokens, with the off-policy sequence mask
+    # CISPO on the highest-entropy fifth of the tokens, with the off-policy sequence mask (GSPO
+    # and the entropy bonus are held to one rank under tp and pp: tests/test_parallel.py)
     pytest.param(["grpo.loss_type=cispo", "grpo.top_entropy_quantile=0.2", "grpo.off_policy_mask_threshold=0.0"],
                  id="cispo-entropy-quantile-off-policy-mask"),
 ])

@@ -262,3 +262,21 @@ def test_moving_reference_mixes_partition_by_partition_on_two_zero3_ranks(tiny, 
             torch.testing.assert_close(now[name], expected, atol=1e-6, rtol=0, msg=f"step {step} {name}")
     moved = max((records[2]["reference"][k] - records[0]["reference"][k]).abs().max() for k in records[0]["reference"])
     assert moved > 1e-4
+
+
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"entropy_quantile"}) + ["cispo", "sequence_mask"])
+def test_any_micro_batch_split_gives_the_same_loss_and_gradient(case):
+    """The step's normalisers make the shares of any split sum to the one-batch loss and
+    gradient, for every objective (the entropy quantile is taken per micro-batch, so it is the
+    exception, as in TRL)."""
+    settings = {"cispo": {"loss_type": "cispo", "entropy_coef": 0.02},
+                "sequence_mask": {"loss_type": "dapo", "importance_sampling_correction": "sequence_mask",
+                                  "importance_sampling_cap": 1.3}}.get(case, CASES.get(case))
+    g = GRPOConfig(**{"kl_coef": 0.05, **settings})
+    x = _inputs(seed=21)
+    whole = ours(g, x)
+    whole_grad = _grad(whole, x)
+    for split in ([[0, 1, 2], [3, 4, 5]], [[0], [1, 2, 3, 4], [5]]):
+        parts = sum(ours(g, x, rows=rows) for rows in split)
+        assert float(parts.detach()) == pytest.approx(float(whole.detach()), abs=1e-12), split
+        assert torch.allclose(_grad(parts, x), whole_grad, atol=1e-12), split

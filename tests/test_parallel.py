@@ -17,6 +17,11 @@ from megagrpo.config.schema import ConfigError
 
 COMMON = ["data.eval_file=null", "grpo.max_steps=2", "grpo.learning_rate=1e-4",
           "logging.sample_steps=0", "checkpoint.save_steps=0"]
+# objectives the layouts are also held to one rank with (docs/objectives.md)
+OBJECTIVES = {"default": (),
+              "gspo": ("grpo.loss_type=grpo", "grpo.importance_sampling_level=sequence", "grpo.epsilon=3e-4",
+                       "grpo.epsilon_high=4e-4", "grpo.importance_sampling_correction=sequence_mask"),
+              "cispo": ("grpo.loss_type=cispo", "grpo.entropy_coef=0.01")}
 
 
 def _scalars(out, tag):
@@ -31,28 +36,31 @@ def _losses(out):
 
 @pytest.fixture(scope="module")
 def single_rank(tiny, tmp_path_factory):
-    """The one-rank run of a global batch of `completions` (each run once per module)."""
+    """The one-rank run of a global batch of `completions` with an objective (each run once per
+    module)."""
     runs = {}
 
-    def get(completions):
-        if completions not in runs:
-            out = tmp_path_factory.mktemp(f"one_rank_{completions}")
+    def get(completions, objective="default"):
+        if (completions, objective) not in runs:
+            out = tmp_path_factory.mktemp(f"one_rank_{completions}_{objective}")
             run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
-                 *tiny_overrides(tiny, out), *COMMON, f"grpo.per_device_train_batch_size={completions}"])
-            runs[completions] = out
-        return runs[completions]
+                 *tiny_overrides(tiny, out), *COMMON, f"grpo.per_device_train_batch_size={completions}",
+                 *OBJECTIVES[objective]])
+            runs[completions, objective] = out
+        return runs[completions, objective]
     return get
 
 
-@pytest.mark.parametrize("ranks,tp", [(2, 2), (4, 2)])
-def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp):
+@pytest.mark.parametrize("ranks,tp,objective", [(2, 2, "default"), (4, 2, "cispo")])
+def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp, objective):
+    """cispo: CISPO with an entropy bonus (its gradient through the fused head) under AutoTP."""
     dp = ranks // tp
-    reference, parallel = single_rank(16 * dp), tmp_path / f"dp{dp}_tp{tp}"  # 2 prompts x 8 per dp rank
+    reference, parallel = single_rank(16 * dp, objective), tmp_path / f"dp{dp}_tp{tp}"  # 2 prompts x 8 per dp rank
     proc = run([f"{BIN}/deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
                 "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
                 f"parallel.tensor_parallel_size={tp}", "deepspeed=configs/ds_zero3.json",
-                "checkpoint.save_steps=1"],
+                "checkpoint.save_steps=1", *OBJECTIVES[objective]],
                timeout=800)
     assert f"world {ranks} = dp {dp} x tp {tp}" in proc.stdout
     expected, got = _losses(reference), _losses(parallel)
@@ -76,7 +84,7 @@ def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp)
     one = tmp_path / "resharded"
     resumed = run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                    *tiny_overrides(tiny, one), *COMMON, f"grpo.per_device_train_batch_size={16 * dp}",
-                   f"checkpoint.resume={parallel / 'checkpoints' / 'step_00000001'}"])
+                   f"checkpoint.resume={parallel / 'checkpoints' / 'step_00000001'}", *OBJECTIVES[objective]])
     assert f"(re-sharded from dp {dp} x tp {tp} to dp 1 x tp 1)" in resumed.stdout
     assert _scalars(one, "train/loss")[0][0] == 2 and abs(_losses(one)[0] - got[1]) < 1e-5, (_losses(one), got)
     assert [json.loads(line)["prompts"] for line in open(one / "prompts_seen.jsonl")] == seen[1:]
@@ -204,18 +212,21 @@ def test_pipeline_activation_checkpointing_recomputes_every_decoder_layer(tiny):
     assert result["output_difference"] == 0.0 and result["gradient_difference"] == 0.0
 
 
-@pytest.mark.parametrize("ranks,tp,pp,ds,checkpointing", [
-    (2, 1, 2, "ds_zero0", False), (4, 1, 2, "ds_zero1", False), (2, 1, 2, "ds_zero0", True),
-    (4, 2, 2, "ds_zero0", False), (4, 2, 2, "ds_zero1", False)])
-def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp, pp, ds, checkpointing):
+@pytest.mark.parametrize("ranks,tp,pp,ds,checkpointing,objective", [
+    (2, 1, 2, "ds_zero0", False, "default"), (4, 1, 2, "ds_zero1", False, "default"),
+    (2, 1, 2, "ds_zero0", True, "default"), (4, 2, 2, "ds_zero0", False, "gspo"),
+    (4, 2, 2, "ds_zero1", False, "default")])
+def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp, pp, ds, checkpointing,
+                                           objective):
     """DeepSpeed PipelineModule stages (each loading only its layers from safetensors), the
     GRPO loss at the last stage, tied embedding/head across the first and last stage; the
     gradient norm (which DeepSpeed gets wrong under a fp32 ZeRO-0 pipeline) too. With
     activation checkpointing (DeepSpeed's pipeline form) the same numbers. With tp 2 each
     stage's decoder layers are split over two ranks (dp 1 x tp 2 x pp 2); the ZeRO-1 case also
-    resumes its step-1 checkpoint on the same layout."""
+    resumes its step-1 checkpoint on the same layout. gspo: GSPO's sequence-level ratios with
+    the sequence-mask sampler correction, under tp 2 x pp 2."""
     dp = ranks // (tp * pp)
-    reference, parallel = single_rank(16 * dp), tmp_path / f"dp{dp}_pp{pp}"
+    reference, parallel = single_rank(16 * dp, objective), tmp_path / f"dp{dp}_pp{pp}"
     # the run starts from the model rewritten as one file per stage (hf-to-pipeline)
     staged = tmp_path / "staged"
     run([f"{BIN}/megagrpo", "convert", "hf-to-pipeline", tiny["warm"], str(staged),
@@ -230,7 +241,8 @@ def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, t
                 *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
                 f"parallel.pipeline_parallel_size={pp}", f"parallel.tensor_parallel_size={tp}",
                 f"deepspeed=configs/{ds}.json", f"model.name_or_path={staged}",
-                f"model.gradient_checkpointing={str(checkpointing).lower()}", "checkpoint.save_steps=1"],
+                f"model.gradient_checkpointing={str(checkpointing).lower()}", "checkpoint.save_steps=1",
+                *OBJECTIVES[objective]],
                timeout=800)
     assert f"world {ranks} = dp {dp} x tp {tp} x pp {pp}" in proc.stdout
     assert "stage=0 layers=2" in proc.stdout and "stage=1 layers=3" in proc.stdout  # by parameters

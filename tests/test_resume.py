@@ -46,15 +46,15 @@ def _wait_for(condition, timeout, proc):
     raise AssertionError("timed out waiting for the run")
 
 
-@pytest.mark.parametrize("variant", ["mu1", "mu2", "dynamic_sampling", "moving_reference"])
+@pytest.mark.parametrize("variant", ["mu1", "mu2", "dynamic_sampling_moving_reference"])
 def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
-    """mu1, mu2: num_iterations 1 and 2; dynamic_sampling: several sampling rounds a step, the
-    sampler's position after them saved and restored; moving_reference: the reference moved at
-    step 2 is saved with the step-3 checkpoint (each rank's partitions) and restored."""
+    """mu1, mu2: num_iterations 1 and 2; dynamic_sampling_moving_reference: several sampling
+    rounds a step (the sampler's position after them saved and restored) and a moving reference
+    (moved at step 2, saved with the step-3 checkpoint as each rank's partitions, restored)."""
     extra = {"mu1": ["grpo.num_iterations=1"], "mu2": ["grpo.num_iterations=2"],
-             "dynamic_sampling": ["grpo.dynamic_sampling=true"],
-             "moving_reference": ["grpo.sync_ref_model=true", "grpo.ref_model_sync_steps=2",
-                                  "grpo.ref_model_mixup_alpha=0.5", "grpo.learning_rate=1e-3"]}[variant]
+             "dynamic_sampling_moving_reference": [
+                 "grpo.dynamic_sampling=true", "grpo.sync_ref_model=true", "grpo.ref_model_sync_steps=2",
+                 "grpo.ref_model_mixup_alpha=0.5", "grpo.learning_rate=1e-3"]}[variant]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run(_command(tiny, straight, extra))
 
@@ -70,14 +70,19 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
     assert not (killed / "hf").exists()
     resumed = run(_command(tiny, killed, extra))
     assert "at step 3" in resumed.stdout
-    if variant == "moving_reference":
+    if variant == "dynamic_sampling_moving_reference":
         assert (killed / "checkpoints" / "step_00000003" / "reference_rank1.pt").is_file()
 
     assert _prompts_by_step(killed) == _prompts_by_step(straight)
     assert sorted(_prompts_by_step(straight)) == [1, 2, 3, 4, 5, 6]
-    if variant == "dynamic_sampling":  # rounds were sampled, and their prompts never repeat within a step
+    if variant == "dynamic_sampling_moving_reference":  # rounds sampled; no prompt twice in a step
         rounds = [r for r in _prompts_by_step(straight).values() if isinstance(r[0], list)]
         assert rounds and all(len({p for part in r for p in part}) == sum(map(len, r)) for r in rounds)
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        events = EventAccumulator(str(straight / "tensorboard"))
+        events.Reload()
+        zero_spread = [e.value for e in events.Scalars("train/frac_reward_zero_std")]
+        assert len(zero_spread) == 6 and max(zero_spread) == 0, zero_spread  # trained on informative groups only
     a = load_file(str(straight / "hf" / "model.safetensors"))
     b = load_file(str(killed / "hf" / "model.safetensors"))
     start = load_file(os.path.join(tiny["warm"], "model.safetensors"))
