@@ -167,15 +167,33 @@ class PythonTool:
         self.sandbox.close()
 
 
-def _function_tool(fn, timeout_s: float, what: str) -> Tool:
+def function_tool(name: str, timeout_s: float, what: str) -> Tool:
+    """The tool of a `module:function` entry, its schema from the function."""
+    fn = resolve_object(name, what)
+    if not callable(fn):
+        raise ConfigError(f"{what}: '{name}' is not a function")
     schema = function_schema(fn, what)
     return Tool(schema["function"]["name"], schema, lambda arguments, environment=None: fn(**arguments), timeout_s)
 
 
-def environment_methods(cls) -> list[str]:
-    """The public methods of an environment class that are tools (not reset/get_reward/close)."""
-    return [name for name, member in inspect.getmembers(cls, inspect.isfunction)
-            if not name.startswith("_") and name not in ENVIRONMENT_HOOKS]
+def resolve_environment(name: str):
+    cls = resolve_object(name, "rollout.environment")
+    if not inspect.isclass(cls):
+        raise ConfigError(f"rollout.environment: '{name}' is not a class")
+    return cls
+
+
+def environment_tools(cls, timeout_s: float) -> list[Tool]:
+    """A tool per public method of an environment class (not reset/get_reward/close), called on
+    the trajectory's own instance."""
+    tools = []
+    for name, _ in inspect.getmembers(cls, inspect.isfunction):
+        if name.startswith("_") or name in ENVIRONMENT_HOOKS:
+            continue
+        schema = function_schema(_without_self(getattr(cls, name)), f"rollout.environment method {name}")
+        call = (lambda n: lambda arguments, environment: getattr(environment, n)(**arguments))(name)
+        tools.append(Tool(name, schema, call, timeout_s))
+    return tools
 
 
 class Toolset:
@@ -193,22 +211,12 @@ class Toolset:
                 self.closers.append(python.close)
                 tool = Tool("python", PYTHON_SCHEMA, python, python.sandbox.limits.timeout_s + 5.0)
             else:
-                fn = resolve_object(t.name, what)
-                if not callable(fn):
-                    raise ConfigError(f"{what}: '{t.name}' is not a function")
-                tool = _function_tool(fn, r.tool_timeout_s, what)
+                tool = function_tool(t.name, r.tool_timeout_s, what)
             self._add(tool, what)
-        self.environment_class = None
-        if r.environment:
-            self.environment_class = resolve_object(r.environment, "rollout.environment")
-            if not inspect.isclass(self.environment_class):
-                raise ConfigError(f"rollout.environment: '{r.environment}' is not a class")
-            for name in environment_methods(self.environment_class):
-                method = getattr(self.environment_class, name)
-                schema = function_schema(_without_self(method), f"rollout.environment method {name}")
-                call = (lambda n: lambda arguments, environment: getattr(environment, n)(**arguments))(name)
-                self._add(Tool(name, schema, call, r.tool_timeout_s), f"rollout.environment method {name}")
-        self.has_environment_reward = callable(getattr(self.environment_class, "get_reward", None))
+        self.environment_class = resolve_environment(r.environment) if r.environment else None
+        if self.environment_class is not None:
+            for tool in environment_tools(self.environment_class, r.tool_timeout_s):
+                self._add(tool, f"rollout.environment method {tool.name}")
 
     def _add(self, tool: Tool, what: str) -> None:
         if tool.name in self.tools:
@@ -258,15 +266,9 @@ def check_tools(cfg) -> None:
         if t.name == "python":
             names.append("python")
             continue
-        fn = resolve_object(t.name, f"rollout.tools[{i}].name (not the built-in python)")
-        names.append(function_schema(fn, f"rollout.tools[{i}] ({t.name})")["function"]["name"])
+        names.append(function_tool(t.name, r.tool_timeout_s, f"rollout.tools[{i}] ({t.name})").name)
     if r.environment:
-        cls = resolve_object(r.environment, "rollout.environment")
-        if not inspect.isclass(cls):
-            raise ConfigError(f"rollout.environment: '{r.environment}' is not a class")
-        methods = environment_methods(cls)
-        for name in methods:
-            function_schema(_without_self(getattr(cls, name)), f"rollout.environment method {name}")
+        methods = [tool.name for tool in environment_tools(resolve_environment(r.environment), r.tool_timeout_s)]
         if not methods and not r.tools:
             raise ConfigError(f"rollout.environment: {r.environment} has no public method to offer as a tool")
         names += methods
