@@ -28,6 +28,8 @@ setup(
         "tqdm",
         "numpy",
         "ninja",
+        # LoRA policies (model.lora)
+        "peft>=0.17,<0.22",
         # reward suite and evaluation (pure Python, no model downloads)
         "vaderSentiment>=3.3",
         "math-verify>=0.7",

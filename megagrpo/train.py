@@ -29,7 +29,7 @@ from megagrpo.config.deepspeed_json import zero_stage
 from megagrpo.config.loading import load_config
 from megagrpo.config.schema import Config, ConfigError
 from megagrpo.data import DataError, Prompt, PromptSampler, load_prompts
-from megagrpo.engines import build_engine
+from megagrpo.engines import build_engine, lora
 from megagrpo.engines.models import load_tokenizer
 from megagrpo.metrics import (
     MetricsLogger,
@@ -86,6 +86,7 @@ class Trainer:
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         os.makedirs(cfg.output_dir, exist_ok=True)
         self.step = 0
+        self.rollout_synced = False  # after the first sync only the weights a step changes move
         self.log(topology.describe())
 
     # ---- the run ------------------------------------------------------------------------------
@@ -123,7 +124,12 @@ class Trainer:
             out = os.path.join(cfg.output_dir, "hf")
             checkpoint.export_hf(self.engine.policy.module, self.engine.full_tensors(), self.tokenizer, out,
                                  self.topo.is_main)
-            self.log(f"HF model written to {out}")
+            self.log(f"HF model written to {out}" + (" (adapters merged)" if cfg.model.lora.r else ""))
+            if cfg.model.lora.r:
+                out = os.path.join(cfg.output_dir, "adapter")
+                lora.write_adapter_folder(lora.adapter_tensors(self.engine.policy.module), self.adapter_config(),
+                                          out, self.topo.is_main)
+                self.log(f"LoRA adapter written to {out} (PeftModel.from_pretrained)")
         if self.topo.is_main and results:
             evaluation.write_results(cfg.output_dir, results)
         close_reward_functions(self.reward_functions)
@@ -237,7 +243,11 @@ class Trainer:
     def sync_rollout_weights(self) -> float:
         """Stream the policy's weights into the rollout engine of every rank that receives them
         whole (all ranks, or a pipeline's first stage); returns seconds taken."""
-        return sync_weights(self.engine.full_tensors(), self.rollout if self.engine.holds_full_tensors else None)
+        partial = self.rollout_synced and self.cfg.model.lora.r > 0
+        seconds = sync_weights(self.engine.full_tensors(changed_only=partial),
+                               self.rollout if self.engine.holds_full_tensors else None, partial)
+        self.rollout_synced = True
+        return seconds
 
     def _record_prompts(self, indices: list[int], sampling_round: int = 0) -> None:
         """Append this step's prompt indices (all dp ranks) to output_dir/prompts_seen.jsonl,
@@ -272,7 +282,7 @@ class Trainer:
     def resume(self) -> None:
         state = checkpoint.resume(self.engine.policy, self.ckpt_root, self.cfg.checkpoint.resume, self.topo,
                                   len(self.prompts), self.sampler.global_batch,
-                                  zero_stage(self.cfg.deepspeed), self.log)
+                                  zero_stage(self.cfg.deepspeed), self.log, lora.checkpoint_entry(self.cfg.model.lora))
         if state is not None:
             self.step = state["step"]
             self.sampler.load_state_dict(state["sampler"])
@@ -287,11 +297,17 @@ class Trainer:
             prompts_per_step=self.sampler.global_batch,
             model=os.path.abspath(model) if os.path.isdir(model) else model,
             layout={"tp": self.topo.tp_size, "pp": self.topo.pp_size,
-                    "zero_stage": zero_stage(self.cfg.deepspeed), "dtype": self.cfg.model.dtype})
+                    "zero_stage": zero_stage(self.cfg.deepspeed), "dtype": self.cfg.model.dtype,
+                    **({"lora": lora.checkpoint_entry(self.cfg.model.lora)} if self.cfg.model.lora.r else {})})
         reference = self.engine.reference_state() if self.cfg.grpo.sync_ref_model else None
         path = checkpoint.save(self.engine.policy, self.ckpt_root, state, self.cfg.checkpoint.keep_last,
-                               self.topo.is_main, self.topo.rank, reference)
+                               self.topo.is_main, self.topo.rank, reference,
+                               self.adapter_config() if self.cfg.model.lora.r else None)
         self.log(f"checkpoint saved: {path}")
+
+    def adapter_config(self) -> dict:
+        model = self.cfg.model.name_or_path
+        return lora.adapter_config_dict(self.cfg.model.lora, os.path.abspath(model) if os.path.isdir(model) else model)
 
 
 def parse_args(argv=None):

@@ -30,6 +30,7 @@ from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import ConfigError
 
 MARKER = "COMPLETE"
+ADAPTER_CONFIG = "adapter_config.json"  # in a LoRA policy's checkpoint (no base weights)
 CRASH_POINTS = ("engine_saved", "marked", "renamed", "latest_written")
 
 
@@ -135,9 +136,11 @@ def resume_candidates(root: str, log=print) -> list[str]:
 
 
 def save(engine, root: str, state: TrainerState, keep_last: int, is_main: bool, rank: int,
-         reference: Optional[dict] = None) -> str:
+         reference: Optional[dict] = None, adapter_config: Optional[dict] = None) -> str:
     """Collective: every rank calls it. Returns the checkpoint folder. `reference`: this rank's
-    parts of a moving reference model (grpo.sync_ref_model), saved beside the engine's files."""
+    parts of a moving reference model (grpo.sync_ref_model), saved beside the engine's files.
+    `adapter_config`: a LoRA policy's (PEFT's adapter_config.json); the frozen base weights
+    are left out, only the adapters and their optimizer state are saved."""
     step = state.step
     tag = f"step_{step:08d}"
     tmp = f"{tag}.tmp"
@@ -145,7 +148,10 @@ def save(engine, root: str, state: TrainerState, keep_last: int, is_main: bool, 
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(os.path.join(root, tmp), ignore_errors=True)
     _barrier()
-    engine.save_checkpoint(root, tag=tmp, save_latest=False)
+    engine.save_checkpoint(root, tag=tmp, save_latest=False, exclude_frozen_parameters=adapter_config is not None)
+    if adapter_config is not None and is_main:
+        with open(os.path.join(root, tmp, ADAPTER_CONFIG), "w") as f:
+            json.dump(adapter_config, f, indent=1, default=sorted)
     with open(os.path.join(root, tmp, f"rng_rank{rank}.json"), "w") as f:
         json.dump(rng_state(), f)
     if reference is not None:
@@ -246,15 +252,18 @@ def load(engine, path: str, rank: int, reshard: bool = False, is_main: bool = Fa
     not restored."""
     if not os.path.isfile(os.path.join(path, MARKER)):
         raise FileNotFoundError(f"checkpoint '{path}' is incomplete (no {MARKER} marker)")
+    strict = not os.path.isfile(os.path.join(path, ADAPTER_CONFIG))  # LoRA: the base comes from the model folder
     if reshard:
         universal = to_universal(path, is_main)
         engine._config.load_universal_checkpoint = True  # read by engine.load_checkpoint only
         try:
-            load_path, _ = engine.load_checkpoint(os.path.dirname(universal), tag=os.path.basename(universal))
+            load_path, _ = engine.load_checkpoint(os.path.dirname(universal), tag=os.path.basename(universal),
+                                                  load_module_strict=strict)
         finally:
             engine._config.load_universal_checkpoint = False
     else:
-        load_path, _ = engine.load_checkpoint(os.path.dirname(path), tag=os.path.basename(path))
+        load_path, _ = engine.load_checkpoint(os.path.dirname(path), tag=os.path.basename(path),
+                                              load_module_strict=strict)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint '{path}'")
     rng_file = os.path.join(path, f"rng_rank{rank}.json")
@@ -265,10 +274,11 @@ def load(engine, path: str, rank: int, reshard: bool = False, is_main: bool = Fa
 
 
 def resume(engine, root: str, setting: str, topo: Topology, num_prompts: int, prompts_per_step: int,
-           zero: int, log: Callable[[str], None]) -> Optional[dict]:
+           zero: int, log: Callable[[str], None], lora: Optional[dict] = None) -> Optional[dict]:
     """Collective: load the checkpoint that `setting` (checkpoint.resume: auto, none or a path)
     names into `engine`; returns its trainer state, or None to start fresh. Under auto, a
-    checkpoint that fails to load is reported and the previous complete one tried."""
+    checkpoint that fails to load is reported and the previous complete one tried. `lora`:
+    this run's adapter settings (TrainerState.layout["lora"]), which the checkpoint's must equal."""
     if setting == "none":
         if complete_checkpoints(root):
             raise ConfigError(f"checkpoint.resume=none but {root} holds checkpoints of an earlier run; "
@@ -276,7 +286,7 @@ def resume(engine, root: str, setting: str, topo: Topology, num_prompts: int, pr
         return None
     candidates = resume_candidates(root, log) if setting == "auto" else [setting]
     for path in candidates:
-        reshard = _check_resumable(path, topo, num_prompts, prompts_per_step, zero)
+        reshard = _check_resumable(path, topo, num_prompts, prompts_per_step, zero, lora)
         try:
             state, error = load(engine, path, topo.rank, reshard, topo.is_main), None
         except Exception as e:  # noqa: BLE001 - whatever DeepSpeed or torch.load raise
@@ -311,7 +321,8 @@ def load_reference(state: dict, rank: int) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _check_resumable(path: str, topo: Topology, num_prompts: int, prompts_per_step: int, zero: int) -> bool:
+def _check_resumable(path: str, topo: Topology, num_prompts: int, prompts_per_step: int, zero: int,
+                     lora: Optional[dict] = None) -> bool:
     """Refuse a checkpoint this run cannot continue (before loading anything); returns
     whether it needs re-sharding (saved with another number of data- or tensor-parallel ranks)."""
     try:
@@ -321,10 +332,18 @@ def _check_resumable(path: str, topo: Topology, num_prompts: int, prompts_per_st
     if state.get("num_prompts", num_prompts) != num_prompts:
         raise ConfigError(f"checkpoint '{path}' was saved with {state['num_prompts']} training prompts, this "
                           f"run has {num_prompts}; the prompt order would not continue. Resume with the same data")
+    saved_lora = state.get("layout", {}).get("lora")
+    if saved_lora != lora:
+        raise ConfigError(f"checkpoint '{path}' was saved with model.lora={saved_lora or 'off'}, this run has "
+                          f"model.lora={lora or 'off'}; resume with the same adapter settings")
     try:
-        return needs_reshard(state, topo.dp_size, topo.tp_size, topo.pp_size, prompts_per_step, zero)
+        reshard = needs_reshard(state, topo.dp_size, topo.tp_size, topo.pp_size, prompts_per_step, zero)
     except ValueError as e:
         raise ConfigError(f"checkpoint '{path}' {e}") from None
+    if reshard and lora:
+        raise ConfigError(f"checkpoint '{path}' is a LoRA checkpoint saved with dp={state['dp_size']}; re-sharding "
+                          f"one to dp={topo.dp_size} is not supported: resume with the same number of ranks")
+    return reshard
 
 
 def export_hf(module, tensors, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 2048) -> None:

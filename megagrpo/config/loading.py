@@ -38,17 +38,28 @@ def _canonical(key: str, value: Any) -> tuple[str, Any]:
         if not isinstance(value, bool):
             raise ConfigError(f"use_vllm: expected true or false, got {value!r}")
         return "rollout.engine", "vllm" if value else "hf"
+    if key == "use_peft":  # as an override; in a YAML, _apply_aliases keeps a lora_r beside it
+        if not isinstance(value, bool):
+            raise ConfigError(f"use_peft: expected true or false, got {value!r}")
+        return "model.lora.r", 16 if value else 0
     return ALIASES.get(key, key), value
 
 
 def _apply_aliases(raw: dict) -> dict:
     out: dict = {}
+    raw = dict(raw)
+    use_peft = raw.pop("use_peft", None)
     for key, value in raw.items():
         dotted, value = _canonical(key, value)
         if dotted == key and isinstance(value, dict):  # a section: merge with aliases seen so far
             out.setdefault(key, {}).update(value)
         else:
             _set_dotted(out, dotted, value)
+    if use_peft is not None:  # TRL's switch: LoRA at its default rank (16) unless lora_r is given
+        if not isinstance(use_peft, bool):
+            raise ConfigError(f"use_peft: expected true or false, got {use_peft!r}")
+        lora = out.setdefault("model", {}).setdefault("lora", {})
+        lora["r"] = lora.get("r", 16) if use_peft else 0
     return out
 
 
@@ -132,7 +143,7 @@ def _build(cls, raw: Any, path: str):
     for key, value in raw.items():
         where = f"{path}.{key}" if path else key
         if key not in names:
-            candidates = names + ([a for a in ALIASES] + ["use_vllm", "max_tool_calling_iterations"]
+            candidates = names + ([a for a in ALIASES] + ["use_vllm", "use_peft", "max_tool_calling_iterations"]
                                   if not path else [])
             close = difflib.get_close_matches(key, candidates, n=1)
             fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(names)}"

@@ -20,6 +20,24 @@ def require(ok: bool, message: str) -> None:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the frozen base model, built with peft (docs/lora.md)."""
+
+    r: int = 0
+    """Adapter rank; 0 trains full weights (no adapters). TRL: lora_r."""
+    alpha: Optional[float] = None
+    """Scaling numerator: the update is (alpha / r) B A. Default 2 x r. TRL: lora_alpha."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (0 keeps the update pass deterministic,
+    so the first pass's ratio to the old policy is exactly 1)."""
+    target_modules: list = field(default_factory=lambda: ["all-linear"])
+    """Linear layers that get adapters: short names (q_proj, v_proj, ...) or all-linear (every
+    linear layer but the output head)."""
+    modules_to_save: list = field(default_factory=list)
+    """Modules trained in full beside the adapters (e.g. a norm); not the output head."""
+
+
+@dataclass
 class ModelConfig:
     """The policy model (and, when kl_coef > 0, the frozen reference: the same weights)."""
 
@@ -32,6 +50,9 @@ class ModelConfig:
     pipeline parallelism DeepSpeed's pipeline activation checkpointing (every decoder layer)."""
     ref_offload: bool = False
     """Keep the frozen reference model's ZeRO-3 partitions in CPU memory (ZeRO-3 only)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA policy: train adapters only; the KL reference is the base model with the adapters
+    disabled (no second model). Off while lora.r is 0."""
 
 
 @dataclass
@@ -366,4 +387,9 @@ ALIASES = {
     "max_prompt_length": "data.max_prompt_length",
     "temperature": "rollout.temperature",
     "model_name_or_path": "model.name_or_path",
+    "lora_r": "model.lora.r",
+    "lora_alpha": "model.lora.alpha",
+    "lora_dropout": "model.lora.dropout",
+    "lora_target_modules": "model.lora.target_modules",
+    "lora_modules_to_save": "model.lora.modules_to_save",
 }

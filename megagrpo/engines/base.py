@@ -47,9 +47,11 @@ class PolicyEngine:
         statistics (loss, entropy, KL, clip ratios, importance weights, grad norm, lr)."""
         raise NotImplementedError
 
-    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_tensors(self, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, whole tensor) for every weight, on the ranks where `holds_full_tensors`
-        (elsewhere nothing); collective: every rank iterates to the end."""
+        (elsewhere nothing); collective: every rank iterates to the end. changed_only: only
+        the weights a step can change (a LoRA policy's adapted layers, merged), for a
+        receiver that holds the rest already."""
         raise NotImplementedError
 
     @property

@@ -3,7 +3,8 @@
 Every rank runs the same micro-batches through `deepspeed.initialize`'s engine: forward (the
 fused log-prob head, logprobs.py), the GRPO loss (algorithm/loss.py), backward with gradient
 accumulation, one optimizer step per pass. The reference is a ZeRO-3 inference engine (no
-optimizer state) when the policy uses ZeRO-3, else a plain eval module.
+optimizer state) when the policy uses ZeRO-3, else a plain eval module; for a LoRA policy
+(engines/lora.py) it is the policy itself with its adapters disabled.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from megagrpo.algorithm.loss import LossInputs, micro_batch_loss
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.deepspeed_json import zero_stage
 from megagrpo.config.schema import Config
+from megagrpo.engines import lora
 from megagrpo.engines.base import PolicyEngine
 from megagrpo.engines.logprobs import completion_logprobs
 from megagrpo.engines.models import deepspeed_config, inference_config, initialize, load_model
@@ -27,12 +29,15 @@ class DeepSpeedEngine(PolicyEngine):
     def __init__(self, cfg: Config, topology: Topology, total_steps: int):
         super().__init__(cfg, topology)
         self.ds_config = deepspeed_config(cfg)
+        self.is_lora = cfg.model.lora.r > 0
         model = load_model(cfg, self.ds_config)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
+        if self.is_lora:
+            model = lora.add_adapters(model, cfg.model.lora, self.g.seed)
         self.policy = initialize(model, cfg, self.ds_config, total_steps)
-        self.reference = self._build_reference() if self.g.kl_coef > 0 else None
+        self.reference = self._build_reference() if self.g.kl_coef > 0 and not self.is_lora else None
 
     def _build_reference(self):
         """A ZeRO-3 inference engine (partitioned and sharded like the policy, optionally
@@ -57,9 +62,15 @@ class DeepSpeedEngine(PolicyEngine):
                                    self.g.fused_logprobs)
 
     def logprobs(self, batch, micro_batches, reference=False) -> Optional[torch.Tensor]:
+        if reference and self.is_lora:  # the base model: the policy with its adapters off
+            if self.g.kl_coef == 0:
+                return None
+            with lora.adapters_disabled(self.policy.module):
+                return self._logprobs(self.policy, batch, micro_batches)
         model = self.reference if reference else self.policy
-        if model is None:
-            return None
+        return None if model is None else self._logprobs(model, batch, micro_batches)
+
+    def _logprobs(self, model, batch, micro_batches) -> torch.Tensor:
         out = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
         model.eval()
         with torch.no_grad():
@@ -108,5 +119,7 @@ class DeepSpeedEngine(PolicyEngine):
 
     holds_full_tensors = True  # ZeRO-3 partitions and AutoTP shards are gathered on every rank
 
-    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_tensors(self, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.is_lora:
+            return lora.merged_full_tensors(self.policy.module, self.cfg.rollout.sync_bucket_mb, changed_only)
         return named_full_tensors(self.policy.module, self.cfg.rollout.sync_bucket_mb)

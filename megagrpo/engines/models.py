@@ -102,13 +102,14 @@ def load_model(cfg: Config, ds_config: dict):
 def initialize(model: torch.nn.Module, cfg: Config, ds_config: dict, total_steps: int):
     """deepspeed.initialize for training: AdamW (DeepSpeed's when the JSON names an optimizer),
     linear warmup and the configured schedule."""
+    trained = [p for p in model.parameters() if p.requires_grad]  # a LoRA policy: its adapters only
     optimizer = None
     if "optimizer" not in ds_config:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.grpo.learning_rate,
+        optimizer = torch.optim.AdamW(trained, lr=cfg.grpo.learning_rate,
                                       betas=(cfg.grpo.adam_beta1, cfg.grpo.adam_beta2),
                                       weight_decay=cfg.grpo.weight_decay)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=ds_config,
+        model=model, model_parameters=trained, optimizer=optimizer, config=ds_config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps)))
     return engine
 

@@ -86,7 +86,7 @@ class PipelineEngine(PolicyEngine):
     def holds_full_tensors(self) -> bool:
         return self.topo.samples_rollout  # the stages stream their layers to the group's first rank
 
-    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_tensors(self, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         return gather_to_first_stage(self.policy.module, self.topo)
 
 

@@ -2,7 +2,7 @@
 
 Both engines have the same interface:
     generate(prompt_ids, n, seeds, greedy=False, max_tokens=None) -> per prompt, n Completions
-    load_weights(named_tensors)   # a stream of (HF name, tensor); no restart, no disk
+    load_weights(named_tensors, partial=False)   # (HF name, tensor) stream; no restart, no disk
     sleep() / wake_up()           # free accelerator memory while the trainer runs
 
 `VLLMEngine` runs vLLM inside this training process (external_launcher executor, created
@@ -36,6 +36,7 @@ def sampling_seed(seed: int, step: int, prompt_index: int, sampling_round: int =
 
 EVAL_STEP = -1
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vllm 0.32
+INPLACE_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
 
 
 def _on_gpu() -> bool:
@@ -69,7 +70,9 @@ class VLLMEngine:
             # multi-turn rollouts send each trajectory's growing prefix again every turn
             enforce_eager=not _on_gpu(), enable_prefix_caching=r.max_turns > 1, **kwargs)
         tied = bool(getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False))
-        logging.getLogger(RELOAD_LOGGER).addFilter(_ExpectedReloadWarnings(tied))
+        self.reload_warnings = _ExpectedReloadWarnings(tied)
+        for name in (RELOAD_LOGGER, INPLACE_LOGGER):
+            logging.getLogger(name).addFilter(self.reload_warnings)
 
     def generate(self, prompt_ids: list[list[int]], n: int, seeds: list[int],
                  greedy: bool = False, max_tokens: list[int] | None = None) -> list[list[Completion]]:
@@ -99,8 +102,14 @@ class VLLMEngine:
         logprobs = out[0].prompt_logprobs
         return [logprobs[i][token_ids[i]].logprob for i in range(prompt_len, len(token_ids))]
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+        """partial: the stream holds some layers only (a LoRA policy's adapted ones); vLLM
+        keeps the others as they are, and its warnings about them are expected."""
+        self.reload_warnings.partial = partial
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        finally:
+            self.reload_warnings.partial = False
         self.llm.collective_rpc(_refresh_tied_lm_head)
         self.llm.reset_prefix_cache()
 
@@ -127,15 +136,21 @@ class _ExpectedReloadWarnings(logging.Filter):
     - ParallelLMHead of a model with tied embeddings: the stream sends the shared weight once,
       as the embedding (vLLM skips lm_head.weight of tied models anyway); the head is then
       re-derived from the new embedding by _refresh_tied_lm_head. tests/test_swap.py shows the
-      engine's log-probs after a sync equal the trainer's. (docs/upstream-issues.md)"""
+      engine's log-probs after a sync equal the trainer's. (docs/upstream-issues.md)
+    While a partial stream loads (`partial`), every layer it leaves out warns so, and vLLM
+    lists the weights it did not receive: both are dropped then."""
 
     def __init__(self, tied_embeddings: bool):
         super().__init__()
         self.expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if tied_embeddings else set())
+        self.partial = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        layer, _, rest = record.getMessage().partition(": ")
-        return not (rest == "Failed to load weights" and layer in self.expected)
+        message = record.getMessage()
+        if self.partial and message.startswith("Following weights were not loaded"):
+            return False
+        layer, _, rest = message.partition(": ")
+        return not (rest == "Failed to load weights" and (self.partial or layer in self.expected))
 
 
 def _refresh_tied_lm_head(worker) -> None:
@@ -212,7 +227,7 @@ class HFEngine:
         return logp[torch.arange(len(token_ids) - 1), ids[0, 1:]][prompt_len - 1:].tolist()
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
         params = dict(self.model.named_parameters())
         for name, tensor in named_tensors:
             params[name].data.copy_(tensor)

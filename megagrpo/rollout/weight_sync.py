@@ -18,31 +18,48 @@ import torch
 def named_full_tensors(module: torch.nn.Module, bucket_mb: int = 256) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every parameter, whole: ZeRO-3 partitions are gathered per
     bucket, and AutoTP (tensor-parallel) shards are gathered per layer inside it."""
+    def units():
+        seen = set()
+        for module_name, owner in module.named_modules():
+            for name, param in owner.named_parameters(recurse=False):
+                if id(param) in seen:  # tied weights are sent once, under their first name
+                    continue
+                seen.add(id(param))
+                yield [param], _whole(f"{module_name}.{name}" if module_name else name, param, owner)
+    return stream_units(units(), bucket_mb)
+
+
+def _whole(name, param, owner):
+    def produce():
+        with tensor_parallel_gather(param, owner):
+            yield name, param.data
+    return produce
+
+
+def stream_units(units, bucket_mb: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Gather units (params, producer) bucket by bucket and yield what each producer makes of
+    its gathered params: a bucket's ZeRO-3 partitions are gathered together and released
+    before the next bucket."""
     bucket_bytes = bucket_mb * 2**20
-    bucket, size, seen = [], 0, set()
-    for module_name, owner in module.named_modules():
-        for name, param in owner.named_parameters(recurse=False):
-            if id(param) in seen:  # tied weights are sent once, under their first name
-                continue
-            seen.add(id(param))
-            bucket.append((f"{module_name}.{name}" if module_name else name, param, owner))
-            size += getattr(param, "ds_numel", param.numel()) * param.element_size()
-            if size >= bucket_bytes:
-                yield from _gathered(bucket)
-                bucket, size = [], 0
+    bucket, size = [], 0
+    for params, produce in units:
+        bucket.append((params, produce))
+        size += sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)
+        if size >= bucket_bytes:
+            yield from _gathered(bucket)
+            bucket, size = [], 0
     if bucket:
         yield from _gathered(bucket)
 
 
 def _gathered(bucket):
-    params = [p for _, p, _ in bucket]
+    params = [p for ps, _ in bucket for p in ps]
     partitioned = any(hasattr(p, "ds_id") for p in params)
     context = (deepspeed.zero.GatheredParameters(params, modifier_rank=None)
                if partitioned else contextlib.nullcontext())
     with context:
-        for name, param, owner in bucket:
-            with tensor_parallel_gather(param, owner):
-                yield name, param.data
+        for _, produce in bucket:
+            yield from produce()
 
 
 def tensor_parallel_gather(param, owner):
@@ -53,15 +70,16 @@ def tensor_parallel_gather(param, owner):
     return GatherReplacedLayerParams([param], owner)
 
 
-def sync_weights(tensors: Iterator[tuple[str, torch.Tensor]], rollout_engine) -> float:
+def sync_weights(tensors: Iterator[tuple[str, torch.Tensor]], rollout_engine, partial: bool = False) -> float:
     """Stream (HF name, whole tensor) pairs into the rollout engine in place; returns seconds
     taken. A rank without an engine to update (None) still runs the stream to the end: the
-    gathers (ZeRO-3, AutoTP, pipeline stages) are collective."""
+    gathers (ZeRO-3, AutoTP, pipeline stages) are collective. partial: the stream holds only
+    the weights that changed (the engine keeps the others)."""
     start = time.perf_counter()
     if rollout_engine is None:
         for _ in tensors:
             pass
     else:
         rollout_engine.wake_up()
-        rollout_engine.load_weights(tensors)
+        rollout_engine.load_weights(tensors, partial=partial)
     return time.perf_counter() - start

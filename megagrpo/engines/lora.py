@@ -1,0 +1,291 @@
+"""LoRA policies (model.lora): peft adapters on a frozen base model.
+
+    model = add_adapters(model, cfg.model.lora, seed)     # before deepspeed.initialize
+    with adapters_disabled(model): ...                    # the KL reference: the base itself
+    merged_full_tensors(model, bucket_mb, adapted_only)   # (HF name, W + s B A): sync, export
+    adapter_tensors(model)                                # PEFT's saved names: an adapter folder
+
+Only the adapters (and modules_to_save) have requires_grad, so only they get gradients and
+optimizer state; the base weights stay partitioned under ZeRO-3 as in full fine-tuning.
+What vLLM and the HF export receive is the merged weight W + (alpha / r) B A, computed per
+gathered bucket into a new tensor: the trainer's base weights are never modified.
+After the first sync only the adapted layers move (`adapted_only`): every linear layer beside
+an adapted one under the same parent goes with it, since vLLM fuses siblings (q/k/v into
+qkv_proj, gate/up into gate_up_proj) and a fused layer must receive all of its parts.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from typing import Iterator, Optional
+
+import torch
+
+from megagrpo.config.schema import Config, ConfigError, LoraConfig, require
+
+ADAPTER = "default"  # peft's adapter name; the only one a policy has
+ALL_LINEAR = "all-linear"
+
+
+def lora_alpha(lora: LoraConfig) -> float:
+    return float(lora.alpha) if lora.alpha is not None else 2.0 * lora.r
+
+
+def peft_config(lora: LoraConfig, base_model: str = ""):
+    import peft
+
+    targets = ALL_LINEAR if ALL_LINEAR in lora.target_modules else list(lora.target_modules)
+    return peft.LoraConfig(r=lora.r, lora_alpha=lora_alpha(lora), lora_dropout=lora.dropout,
+                           target_modules=targets, modules_to_save=list(lora.modules_to_save) or None,
+                           bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model or None)
+
+
+def add_adapters(model: torch.nn.Module, lora: LoraConfig, seed: int):
+    """The peft model around `model`, its adapters initialised from `seed` (A random, B = 0),
+    so that every rank and every layout starts from the same adapters."""
+    import peft
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return peft.get_peft_model(model, peft_config(lora, model.config.name_or_path))
+
+
+def is_lora(module: torch.nn.Module) -> bool:
+    import peft
+    return isinstance(module, peft.PeftModel)
+
+
+def adapters_disabled(module: torch.nn.Module):
+    """The base model: adapters (and modules_to_save) off for the duration (the reference)."""
+    return module.disable_adapter()
+
+
+# ---- validation, before any model is built ---------------------------------------------------
+
+def check_lora(cfg: Config) -> None:
+    """model.lora's ranges and the layouts it supports; the target modules against the model's
+    linear layers (read from its config on the meta device) when the folder is local."""
+    lora = cfg.model.lora
+    if lora.r == 0:
+        return
+    require(lora.r > 0, f"model.lora.r: {lora.r} must be > 0 (0 trains full weights)")
+    require(lora_alpha(lora) > 0, f"model.lora.alpha: {lora.alpha} must be > 0, e.g. {2 * lora.r}")
+    require(0 <= lora.dropout < 1, f"model.lora.dropout: {lora.dropout} must be in [0, 1)")
+    require(bool(lora.target_modules), "model.lora.target_modules is empty: name the linear layers to adapt, "
+            "e.g. [q_proj, v_proj], or [all-linear]")
+    for key, size in (("tensor_parallel_size", cfg.parallel.tensor_parallel_size),
+                      ("pipeline_parallel_size", cfg.parallel.pipeline_parallel_size)):
+        require(size == 1, f"model.lora with parallel.{key}={size} is not supported: a LoRA policy runs "
+                "data-parallel (ZeRO 0-3; its frozen base shards under ZeRO-3 and its optimizer state is "
+                f"small); set parallel.{key}=1")
+    require(not cfg.grpo.sync_ref_model, "grpo.sync_ref_model with model.lora is not supported: a LoRA policy's "
+            "reference is its base model with the adapters disabled (no copy to move); set grpo.sync_ref_model=false")
+    require("lm_head" not in lora.modules_to_save, "model.lora.modules_to_save: the output head (lm_head) "
+            "cannot be trained beside the adapters (the fused log-prob head reads its weight); remove it")
+    if os.path.isfile(os.path.join(cfg.model.name_or_path, "config.json")):
+        check_target_modules(lora, cfg.model.name_or_path)
+
+
+def _meta_model(path: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def linear_layer_names(model: torch.nn.Module) -> list[str]:
+    """Short names of the model's linear layers, the output head excluded."""
+    head = model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and module is not head})
+
+
+def check_target_modules(lora: LoraConfig, model_path: str) -> None:
+    """Every target module and every module to save matches a module of the model."""
+    model = _meta_model(model_path)
+    head = model.get_output_embeddings()
+    linear = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    names = [name for name, _ in model.named_modules()]
+    for target in lora.target_modules:
+        require(target == ALL_LINEAR or any(n == target or n.endswith("." + target) for n in linear),
+                f"model.lora.target_modules: '{target}' matches no linear layer of {model_path}; its linear "
+                f"layers are {', '.join(linear_layer_names(model))} (or use all-linear)")
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    for module in lora.modules_to_save:
+        require(any(n == module or n.endswith("." + module) for n in names),
+                f"model.lora.modules_to_save: '{module}' matches no module of {model_path}")
+        require(not (tied and module == "embed_tokens"),
+                f"model.lora.modules_to_save: {model_path} ties embed_tokens to the output head, which "
+                "cannot be trained beside the adapters; remove embed_tokens")
+
+
+# ---- merged weights, bucket by bucket --------------------------------------------------------
+
+def _units(model: torch.nn.Module, adapted_only: bool):
+    """(params, producer) per unit of the merged stream: a LoRA layer (base weight, bias, A, B),
+    a module to save (its trained copy), or a plain module's own parameters."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    base = model.get_base_model()
+    special = {name: m for name, m in base.named_modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))}
+    adapted_parents = {name.rpartition(".")[0] for name, m in special.items() if isinstance(m, LoraLayer)}
+    seen = set()
+    for name, module in base.named_modules():
+        if any(name.startswith(s + ".") for s in special):
+            continue  # inside a LoRA layer or a wrapper: produced by it
+        if isinstance(module, LoraLayer):
+            layer = module.get_base_layer()
+            params = [p for p in (layer.weight, layer.bias, module.lora_A[ADAPTER].weight,
+                                  module.lora_B[ADAPTER].weight) if p is not None]
+            yield params, _merged_layer(name, module)
+        elif isinstance(module, ModulesToSaveWrapper):
+            trained = module.modules_to_save[ADAPTER]
+            yield list(trained.parameters()), _plain(name, trained.named_parameters())
+        else:
+            own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for _, p in own)
+            linear_beside_adapted = isinstance(module, torch.nn.Linear) and name.rpartition(".")[0] in adapted_parents
+            if own and (not adapted_only or linear_beside_adapted):
+                yield [p for _, p in own], _plain(name, own)
+
+
+def _plain(prefix: str, named):
+    named = list(named)
+
+    def produce():
+        for n, p in named:
+            yield (f"{prefix}.{n}" if prefix else n), p.data
+    return produce
+
+
+def _merged_layer(name: str, module):
+    def produce():
+        layer = module.get_base_layer()
+        A, B = module.lora_A[ADAPTER].weight.data, module.lora_B[ADAPTER].weight.data
+        weight = layer.weight.data
+        delta = (B.float() @ A.float()) * module.scaling[ADAPTER]
+        yield f"{name}.weight", (weight.float() + delta.to(weight.device)).to(weight.dtype)
+        if layer.bias is not None:
+            yield f"{name}.bias", layer.bias.data
+    return produce
+
+
+def merged_full_tensors(model: torch.nn.Module, bucket_mb: int = 256,
+                        adapted_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, whole tensor) of the merged model: W + (alpha / r) B A for adapted layers, the
+    trained copy of a module to save, the base weight elsewhere. ZeRO-3 partitions are
+    gathered per bucket (collective: every rank iterates to the end). adapted_only: the
+    adapted layers, their linear siblings and the modules to save only."""
+    from megagrpo.rollout.weight_sync import stream_units
+    return stream_units(_units(model, adapted_only), bucket_mb)
+
+
+# ---- adapter folders -------------------------------------------------------------------------
+
+def peft_saved_name(live_name: str) -> str:
+    """A live parameter name -> its name in a PEFT adapter file (as save_pretrained writes it)."""
+    name = live_name.replace(f".modules_to_save.{ADAPTER}.", ".")
+    return re.sub(rf"\.(lora_[AB])\.{ADAPTER}\.", r".\1.", name)
+
+
+def adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(PEFT name, whole tensor) of the trained parameters: the adapters and modules to save.
+    Collective under ZeRO-3 (gathered one at a time)."""
+    import deepspeed
+
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        context = (deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id")
+                   else contextlib.nullcontext())
+        with context:
+            yield peft_saved_name(name), param.data.detach().cpu().clone()
+
+
+def adapter_config_dict(lora: LoraConfig, base_model: str) -> dict:
+    """adapter_config.json's contents (PEFT's format)."""
+    return peft_config(lora, base_model).to_dict() | {"peft_type": "LORA", "task_type": "CAUSAL_LM"}
+
+
+def write_adapter_folder(tensors, config: dict, out_dir: str, write: bool = True) -> None:
+    """A PEFT adapter folder (adapter_model.safetensors + adapter_config.json) that
+    PeftModel.from_pretrained loads. `tensors` is iterated to the end on every rank."""
+    from safetensors.torch import save_file
+
+    state = {name: t.contiguous() for name, t in tensors}
+    if write:
+        os.makedirs(out_dir, exist_ok=True)
+        save_file(state, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=1, default=sorted)  # peft keeps target_modules as a set
+
+
+def is_adapter_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "adapter_config.json"))
+
+
+def read_adapter_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, {PEFT name: tensor}) of an adapter folder; ConfigError when it
+    is not a LoRA adapter this merge understands."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        config = json.load(f)
+    if config.get("peft_type") != "LORA":
+        raise ConfigError(f"{path}: adapter type {config.get('peft_type')!r} is not LoRA; only LoRA adapters are merged")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise ConfigError(f"{path}: adapter_config.json sets {key}; per-module ranks are not merged here "
+                              "(merge it with peft's merge_and_unload)")
+    weights = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(weights):
+        raise ConfigError(f"{path}: no adapter_model.safetensors")
+    return config, load_file(weights)
+
+
+def merged_folder_tensors(adapter_dir: str, base_dir: Optional[str] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of base + adapter, read from the base folder's safetensors one tensor at
+    a time: W + (alpha / r) B A for adapted layers, the adapter's copy of a module to save."""
+    from safetensors import safe_open
+
+    config, adapter = read_adapter_folder(adapter_dir)
+    base_dir = base_dir or config.get("base_model_name_or_path")
+    if not base_dir or not os.path.isdir(base_dir):
+        raise ConfigError(f"{adapter_dir}: its base model '{base_dir}' is not a local folder; pass the base model "
+                          "folder (--model for convert, --base-model for eval)")
+    scale = config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"])
+    prefix = "base_model.model."
+    files = sorted(f for f in os.listdir(base_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ConfigError(f"{base_dir}: no safetensors files (the base model of {adapter_dir})")
+    used = set()
+    for file in files:
+        with safe_open(os.path.join(base_dir, file), framework="pt") as f:
+            for name in f.keys():
+                module = name[: -len(".weight")] if name.endswith(".weight") else None
+                a, b = (f"{prefix}{module}.lora_A.weight", f"{prefix}{module}.lora_B.weight") if module else ("", "")
+                tensor = f.get_tensor(name)
+                if a in adapter:
+                    delta = (adapter[b].float() @ adapter[a].float()) * scale
+                    tensor = (tensor.float() + delta).to(tensor.dtype)
+                    used.update((a, b))
+                elif prefix + name in adapter:  # a module to save: the adapter holds its trained copy
+                    tensor = adapter[prefix + name].to(tensor.dtype)
+                    used.add(prefix + name)
+                yield name, tensor
+    unused = sorted(set(adapter) - used)
+    if unused:
+        raise ConfigError(f"{adapter_dir}: {len(unused)} adapter tensors match no weight of {base_dir} "
+                          f"(first: {unused[0]}); is it the adapter's base model?")
+
+
+def checkpoint_entry(lora: LoraConfig) -> Optional[dict]:
+    """What a checkpoint records of the adapters (TrainerState.layout["lora"]): a run resumes
+    only with the same shapes and targets."""
+    if lora.r == 0:
+        return None
+    return {"r": lora.r, "alpha": lora_alpha(lora), "target_modules": list(lora.target_modules),
+            "modules_to_save": list(lora.modules_to_save)}
