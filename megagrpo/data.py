@@ -141,3 +141,16 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+
+
+def record_prompts(output_dir: str, step: int, indices: list[int], sampling_round: int, topology) -> None:
+    """Collective over dp: append a step's prompt indices (all dp ranks) to
+    output_dir/prompts_seen.jsonl, so that a resumed run can be checked for skipped or repeated
+    data (with the round of dynamic sampling after the first)."""
+    from megagrpo.cluster.distributed import all_gather_1d
+
+    everything = all_gather_1d(torch.tensor(indices, dtype=torch.long), topology.dp_group).tolist()
+    if topology.is_main:
+        row = {"step": step, **({"round": sampling_round} if sampling_round else {}), "prompts": everything}
+        with open(os.path.join(output_dir, "prompts_seen.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")

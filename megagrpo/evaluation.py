@@ -25,7 +25,9 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 
@@ -206,7 +208,10 @@ def main(argv=None) -> int:
         prog="megagrpo eval",
         description="Generate with the rollout engine on a held-out file and report rewards, "
                     "pass@k, BLEU, ROUGE, perplexity and distinct-n (JSON, TensorBoard, samples).")
-    p.add_argument("--model", required=True, help="HF model folder (e.g. a run's output_dir/hf)")
+    p.add_argument("--model", required=True, help="HF model folder (e.g. a run's output_dir/hf), or a PEFT "
+                   "LoRA adapter folder (a run's output_dir/adapter), merged into its base first")
+    p.add_argument("--base-model", help="for an adapter folder: its base model's HF folder "
+                   "(default: adapter_config.json's base_model_name_or_path)")
     p.add_argument("--data", required=True, help="held-out JSONL/JSON/Parquet/CSV file or hub name")
     p.add_argument("--config", help="experiment YAML for rewards, rollout and data settings")
     p.add_argument("--output", default=None,
@@ -214,7 +219,18 @@ def main(argv=None) -> int:
                         "(default: <model>/eval)")
     p.add_argument("overrides", nargs="*", help="key.sub=value settings (e.g. rollout.engine=hf)")
     args = p.parse_args(argv)
+    if os.path.isfile(os.path.join(args.model, "adapter_config.json")):
+        merged = tempfile.mkdtemp(prefix="megagrpo-merged-")
+        try:
+            return _evaluate(args, merged)
+        finally:
+            shutil.rmtree(merged, ignore_errors=True)
+    return _evaluate(args, None)
 
+
+def _evaluate(args, merged) -> int:
+    """`megagrpo eval`; `merged`: an empty folder to merge an adapter folder (args.model) into."""
+    from megagrpo.checkpoints.convert import ConvertError, adapter_to_hf
     from megagrpo.cluster.distributed import init_distributed
     from megagrpo.config.loading import load_config
     from megagrpo.config.schema import ConfigError
@@ -226,7 +242,15 @@ def main(argv=None) -> int:
     from megagrpo.rollout.engines import build_rollout_engine
     from megagrpo.rollout.tools import Toolset
 
-    overrides = list(args.overrides) + [f"model.name_or_path={args.model}",
+    model = args.model
+    if merged:
+        try:
+            adapter_to_hf(args.model, merged, args.base_model, log=lambda msg: None)
+        except (ConvertError, ConfigError) as e:
+            print(f"megagrpo: error: {e}", file=sys.stderr)
+            return 2
+        model = merged
+    overrides = list(args.overrides) + [f"model.name_or_path={model}",
                                         f"data.eval_file={args.data}", f"data.train_file={args.data}"]
     try:
         cfg = load_config(args.config, overrides, training=False)

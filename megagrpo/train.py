@@ -11,7 +11,6 @@ The policy engine (engines/) hides the parallel layout: this loop is the same fo
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -28,7 +27,7 @@ from megagrpo.cluster.topology import Topology
 from megagrpo.config.deepspeed_json import zero_stage
 from megagrpo.config.loading import load_config
 from megagrpo.config.schema import Config, ConfigError
-from megagrpo.data import DataError, Prompt, PromptSampler, load_prompts
+from megagrpo.data import DataError, Prompt, PromptSampler, load_prompts, record_prompts
 from megagrpo.engines import build_engine, lora
 from megagrpo.engines.models import load_tokenizer
 from megagrpo.metrics import (
@@ -61,6 +60,9 @@ class Trainer:
         self.device = torch.device(f"cuda:{topology.local_rank}" if torch.cuda.is_available() else "cpu")
         self.log = lambda msg: print(f"[megagrpo] {msg}", flush=True) if topology.is_main else None
         self.tokenizer = load_tokenizer(cfg.model.name_or_path)
+        model = cfg.model.name_or_path
+        self.base_model = os.path.abspath(model) if os.path.isdir(model) else model  # as checkpoints record it
+        self.adapter_config = lora.adapter_config(cfg.model.lora, self.base_model) if cfg.model.lora.r else None
         self.toolset = Toolset(cfg) if cfg.rollout.max_turns > 1 else None
         tools = self.toolset.schemas if self.toolset else None
         self.prompts, dropped = load_prompts(data.train_file, self.tokenizer, data.max_prompt_length,
@@ -121,15 +123,7 @@ class Trainer:
             self.metrics.scalars(self.step, {f"eval/{k}": v for k, v in results["after"].items()})
             self.log(f"held-out after training: {evaluation.format_metrics(results['after'])}")
         if cfg.checkpoint.save_hf_at_end:
-            out = os.path.join(cfg.output_dir, "hf")
-            checkpoint.export_hf(self.engine.policy.module, self.engine.full_tensors(), self.tokenizer, out,
-                                 self.topo.is_main)
-            self.log(f"HF model written to {out}" + (" (adapters merged)" if cfg.model.lora.r else ""))
-            if cfg.model.lora.r:
-                out = os.path.join(cfg.output_dir, "adapter")
-                lora.write_adapter_folder(lora.adapter_tensors(self.engine.policy.module), self.adapter_config(),
-                                          out, self.topo.is_main)
-                self.log(f"LoRA adapter written to {out} (PeftModel.from_pretrained)")
+            self.export()
         if self.topo.is_main and results:
             evaluation.write_results(cfg.output_dir, results)
         close_reward_functions(self.reward_functions)
@@ -200,7 +194,7 @@ class Trainer:
         """The next prompts of this rank, their groups sampled and scored."""
         g = self.cfg.grpo
         indices = self.sampler.next_indices()
-        self._record_prompts(indices, sampling_round)
+        record_prompts(self.cfg.output_dir, self.step + 1, indices, sampling_round, self.topo)
         prompts = [self.prompts[i] for i in indices]
         groups = self.generate(prompts, n=g.num_generations,
                                seeds=[sampling_seed(g.seed, self.step, i, sampling_round) for i in indices])
@@ -249,17 +243,6 @@ class Trainer:
         self.rollout_synced = True
         return seconds
 
-    def _record_prompts(self, indices: list[int], sampling_round: int = 0) -> None:
-        """Append this step's prompt indices (all dp ranks) to output_dir/prompts_seen.jsonl,
-        so that a resumed run can be checked for skipped or repeated data (with the round of
-        dynamic sampling after the first)."""
-        everything = all_gather_1d(torch.tensor(indices, dtype=torch.long), self.topo.dp_group).tolist()
-        if self.topo.is_main:
-            row = {"step": self.step + 1, **({"round": sampling_round} if sampling_round else {}),
-                   "prompts": everything}
-            with open(os.path.join(self.cfg.output_dir, "prompts_seen.jsonl"), "a") as f:
-                f.write(json.dumps(row) + "\n")
-
     # ---- evaluation and checkpoints -------------------------------------------------------------
 
     def evaluate(self) -> dict:
@@ -290,24 +273,29 @@ class Trainer:
                 self.engine.load_reference_state(checkpoint.load_reference(state, self.topo.rank))
 
     def save(self) -> None:
-        model = self.cfg.model.name_or_path
         state = checkpoint.TrainerState(
             step=self.step, sampler=self.sampler.state_dict(), world_size=self.topo.world_size,
             dp_size=self.topo.dp_size, num_prompts=len(self.prompts), total_steps=self.total_steps,
-            prompts_per_step=self.sampler.global_batch,
-            model=os.path.abspath(model) if os.path.isdir(model) else model,
-            layout={"tp": self.topo.tp_size, "pp": self.topo.pp_size,
-                    "zero_stage": zero_stage(self.cfg.deepspeed), "dtype": self.cfg.model.dtype,
-                    **({"lora": lora.checkpoint_entry(self.cfg.model.lora)} if self.cfg.model.lora.r else {})})
+            prompts_per_step=self.sampler.global_batch, model=self.base_model,
+            layout={"tp": self.topo.tp_size, "pp": self.topo.pp_size, "zero_stage": zero_stage(self.cfg.deepspeed),
+                    "dtype": self.cfg.model.dtype, "lora": lora.checkpoint_entry(self.cfg.model.lora)})
         reference = self.engine.reference_state() if self.cfg.grpo.sync_ref_model else None
         path = checkpoint.save(self.engine.policy, self.ckpt_root, state, self.cfg.checkpoint.keep_last,
-                               self.topo.is_main, self.topo.rank, reference,
-                               self.adapter_config() if self.cfg.model.lora.r else None)
+                               self.topo.is_main, self.topo.rank, reference, self.adapter_config)
         self.log(f"checkpoint saved: {path}")
 
-    def adapter_config(self) -> dict:
-        model = self.cfg.model.name_or_path
-        return lora.adapter_config_dict(self.cfg.model.lora, os.path.abspath(model) if os.path.isdir(model) else model)
+    def export(self) -> None:
+        """output_dir/hf: the model as an HF folder (a LoRA policy's merged; its adapters also
+        as a PEFT folder, output_dir/adapter)."""
+        out = os.path.join(self.cfg.output_dir, "hf")
+        checkpoint.export_hf(self.engine.policy.module, self.engine.full_tensors(), self.tokenizer, out,
+                             self.topo.is_main)
+        self.log(f"HF model written to {out}")
+        if self.adapter_config:
+            out = os.path.join(self.cfg.output_dir, "adapter")
+            lora.write_adapter_folder(lora.adapter_tensors(self.engine.policy.module), self.adapter_config, out,
+                                      self.topo.is_main)
+            self.log(f"LoRA adapter written to {out}")
 
 
 def parse_args(argv=None):

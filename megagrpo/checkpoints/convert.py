@@ -2,11 +2,17 @@
 
     megagrpo convert inspect CKPT
     megagrpo convert to-hf CKPT OUT [--model HF_DIR] [--dtype float32|bfloat16] [--shard-mb N]
+    megagrpo convert to-adapter CKPT OUT [--dtype ...]       (a LoRA run's checkpoint)
+    megagrpo convert adapter-to-hf ADAPTER_DIR OUT [--model BASE_DIR] [--dtype ...] [--shard-mb N]
     megagrpo convert hf-to-pipeline HF_DIR OUT --pipeline-parallel-size N [--dtype ...]
 
 CKPT is one checkpoint folder (output_dir/checkpoints/step_N). `to-hf` writes an HF folder
 (sharded safetensors with an index carrying each shard's sha256, config, generation config,
-tokenizer) that transformers and vLLM load unchanged. `hf-to-pipeline` rewrites an HF folder
+tokenizer) that transformers and vLLM load unchanged; from a LoRA run's checkpoint (adapters
+only) the adapters are merged into the base model (--model, default the run's), one tensor
+at a time. `to-adapter` writes a LoRA checkpoint's adapters as a PEFT adapter folder
+(PeftModel.from_pretrained loads it); `adapter-to-hf` merges any PEFT LoRA adapter folder
+into its base (adapter_config.json's base_model_name_or_path, or --model). `hf-to-pipeline` rewrites an HF folder
 so that each pipeline stage's tensors (DeepSpeed's partition by parameters, as the trainer
 computes it) are one file: a pipeline run started from it has each rank read one file (the
 last stage also the embedding, when tied). The result is still an HF folder. Layouts to-hf
@@ -40,9 +46,11 @@ from typing import Iterator
 
 import torch
 
-from megagrpo.checkpoints.checkpoint import MARKER
+from megagrpo.checkpoints.checkpoint import ADAPTER_CONFIG, MARKER
 from megagrpo.checkpoints.safetensors_writer import write_safetensors
+from megagrpo.config.schema import ConfigError
 from megagrpo.dtypes import DTYPES
+from megagrpo.engines import lora
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
@@ -214,9 +222,44 @@ def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: i
                            f"('{model}'); pass --model PATH (the run's model.name_or_path)")
     config = json.load(open(os.path.join(model, "config.json")))
     tied = config.get("tie_word_embeddings", False)
-    tensors = ((n, t) for n, t in hf_tensors(ckpt, model, info) if not (tied and n == "lm_head.weight"))
+    if os.path.isfile(os.path.join(ckpt, ADAPTER_CONFIG)):  # a LoRA policy: merge into the base
+        tensors = lora.merged_tensors(*_adapter(ckpt, info), model, ckpt)
+    else:
+        tensors = ((n, t) for n, t in hf_tensors(ckpt, model, info) if not (tied and n == "lm_head.weight"))
     log(f"{ckpt}: {info['kind']} -> {out}")
     write_safetensors(tensors, out, shard_mb, DTYPES[dtype] if dtype else None, always_index=True)
+    _copy_side_files(model, out, dtype)
+
+
+def _adapter(ckpt: str, info: dict) -> tuple[dict, dict]:
+    """(adapter_config.json, {PEFT name: tensor}) of a LoRA run's checkpoint."""
+    with open(os.path.join(ckpt, ADAPTER_CONFIG)) as f:
+        config = json.load(f)
+    return config, {lora.peft_saved_name(n): t for n, t in hf_tensors(ckpt, None, info)}
+
+
+def to_adapter(ckpt: str, out: str, dtype: str = None, log=print) -> None:
+    info = layout(ckpt)
+    if not info["complete"]:
+        raise ConvertError(f"{ckpt}: incomplete checkpoint (no {MARKER} marker); convert a complete one")
+    if not os.path.isfile(os.path.join(ckpt, ADAPTER_CONFIG)):
+        raise ConvertError(f"{ckpt}: not a LoRA run's checkpoint (no {ADAPTER_CONFIG}); use to-hf")
+    config, tensors = _adapter(ckpt, info)
+    log(f"{ckpt}: {len(tensors)} adapter tensors -> {out}")
+    cast = DTYPES[dtype] if dtype else None
+    lora.write_adapter_folder(((n, t.to(cast) if cast else t) for n, t in tensors.items()), config, out)
+
+
+def adapter_to_hf(adapter_dir: str, out: str, model: str = None, dtype: str = None, shard_mb: int = 2048,
+                  log=print) -> None:
+    """A PEFT LoRA adapter folder merged into its base model, written as an HF folder."""
+    if not lora.is_adapter_folder(adapter_dir):
+        raise ConvertError(f"{adapter_dir}: not a PEFT adapter folder (no adapter_config.json)")
+    config, adapter = lora.read_adapter_folder(adapter_dir)
+    model = model or config.get("base_model_name_or_path")
+    log(f"{adapter_dir} + base {model} -> {out}")
+    write_safetensors(lora.merged_tensors(config, adapter, model, adapter_dir), out, shard_mb,
+                      DTYPES[dtype] if dtype else None, always_index=True)
     _copy_side_files(model, out, dtype)
 
 
@@ -288,6 +331,16 @@ def main(argv=None) -> int:
     h.add_argument("--model", help="HF folder with config and tokenizer (default: the run's model)")
     h.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: as stored)")
     h.add_argument("--shard-mb", type=int, default=2048, help="shard size in MiB (default 2048)")
+    a = sub.add_parser("to-adapter", help="write a LoRA run's adapters as a PEFT adapter folder")
+    a.add_argument("checkpoint")
+    a.add_argument("out")
+    a.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: as stored)")
+    m = sub.add_parser("adapter-to-hf", help="merge a PEFT LoRA adapter folder into its base: an HF folder")
+    m.add_argument("adapter")
+    m.add_argument("out")
+    m.add_argument("--model", help="the base model's HF folder (default: the adapter's base_model_name_or_path)")
+    m.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: the base's)")
+    m.add_argument("--shard-mb", type=int, default=2048, help="shard size in MiB (default 2048)")
     s = sub.add_parser("hf-to-pipeline", help="rewrite an HF folder as one safetensors file per "
                                               "pipeline stage (still an HF folder)")
     s.add_argument("model", help="HF model folder")
@@ -301,9 +354,13 @@ def main(argv=None) -> int:
             print(inspect(args.checkpoint))
         elif args.command == "to-hf":
             to_hf(args.checkpoint, args.out, args.model, args.dtype, args.shard_mb)
+        elif args.command == "to-adapter":
+            to_adapter(args.checkpoint, args.out, args.dtype)
+        elif args.command == "adapter-to-hf":
+            adapter_to_hf(args.adapter, args.out, args.model, args.dtype, args.shard_mb)
         else:
             hf_to_pipeline(args.model, args.out, args.pipeline_parallel_size, args.dtype)
-    except ConvertError as e:
+    except (ConvertError, ConfigError) as e:
         print(f"megagrpo convert: {e}", file=sys.stderr)
         return 2
     return 0

@@ -205,7 +205,7 @@ def adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
             yield peft_saved_name(name), param.data.detach().cpu().clone()
 
 
-def adapter_config_dict(lora: LoraConfig, base_model: str) -> dict:
+def adapter_config(lora: LoraConfig, base_model: str) -> dict:
     """adapter_config.json's contents (PEFT's format)."""
     return peft_config(lora, base_model).to_dict() | {"peft_type": "LORA", "task_type": "CAUSAL_LM"}
 
@@ -235,7 +235,8 @@ def read_adapter_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     with open(os.path.join(path, "adapter_config.json")) as f:
         config = json.load(f)
     if config.get("peft_type") != "LORA":
-        raise ConfigError(f"{path}: adapter type {config.get('peft_type')!r} is not LoRA; only LoRA adapters are merged")
+        raise ConfigError(f"{path}: adapter type {config.get('peft_type')!r} is not LoRA; "
+                          "only LoRA adapters are merged")
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise ConfigError(f"{path}: adapter_config.json sets {key}; per-module ranks are not merged here "
@@ -247,28 +248,32 @@ def read_adapter_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def merged_folder_tensors(adapter_dir: str, base_dir: Optional[str] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) of base + adapter, read from the base folder's safetensors one tensor at
-    a time: W + (alpha / r) B A for adapted layers, the adapter's copy of a module to save."""
+    """(HF name, tensor) of an adapter folder merged into its base (adapter_config.json's
+    base_model_name_or_path, or `base_dir`)."""
+    config, adapter = read_adapter_folder(adapter_dir)
+    return merged_tensors(config, adapter, base_dir or config.get("base_model_name_or_path"), adapter_dir)
+
+
+def merged_tensors(config: dict, adapter: dict, base_dir: str, source: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of base + adapter (PEFT names, from `source`), read from the base
+    folder's safetensors one tensor at a time: W + (alpha / r) B A for adapted layers, the
+    adapter's copy of a module to save, the base tensor elsewhere."""
     from safetensors import safe_open
 
-    config, adapter = read_adapter_folder(adapter_dir)
-    base_dir = base_dir or config.get("base_model_name_or_path")
-    if not base_dir or not os.path.isdir(base_dir):
-        raise ConfigError(f"{adapter_dir}: its base model '{base_dir}' is not a local folder; pass the base model "
+    if not base_dir or not os.path.isfile(os.path.join(base_dir, "config.json")):
+        raise ConfigError(f"{source}: its base model '{base_dir}' is not a local HF folder; pass the base model "
                           "folder (--model for convert, --base-model for eval)")
-    scale = config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"])
-    prefix = "base_model.model."
     files = sorted(f for f in os.listdir(base_dir) if f.endswith(".safetensors"))
     if not files:
-        raise ConfigError(f"{base_dir}: no safetensors files (the base model of {adapter_dir})")
-    used = set()
+        raise ConfigError(f"{base_dir}: no safetensors files (the base model of {source})")
+    scale = config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"])
+    prefix, used = "base_model.model.", set()
     for file in files:
         with safe_open(os.path.join(base_dir, file), framework="pt") as f:
             for name in f.keys():
-                module = name[: -len(".weight")] if name.endswith(".weight") else None
-                a, b = (f"{prefix}{module}.lora_A.weight", f"{prefix}{module}.lora_B.weight") if module else ("", "")
-                tensor = f.get_tensor(name)
-                if a in adapter:
+                tensor, module = f.get_tensor(name), name.removesuffix(".weight")
+                a, b = f"{prefix}{module}.lora_A.weight", f"{prefix}{module}.lora_B.weight"
+                if name.endswith(".weight") and a in adapter:
                     delta = (adapter[b].float() @ adapter[a].float()) * scale
                     tensor = (tensor.float() + delta).to(tensor.dtype)
                     used.update((a, b))
@@ -278,8 +283,8 @@ def merged_folder_tensors(adapter_dir: str, base_dir: Optional[str] = None) -> I
                 yield name, tensor
     unused = sorted(set(adapter) - used)
     if unused:
-        raise ConfigError(f"{adapter_dir}: {len(unused)} adapter tensors match no weight of {base_dir} "
-                          f"(first: {unused[0]}); is it the adapter's base model?")
+        raise ConfigError(f"{source}: {len(unused)} adapter tensors match no weight of {base_dir} "
+                          f"(first: {unused[0]}); is that the adapter's base model?")
 
 
 def checkpoint_entry(lora: LoraConfig) -> Optional[dict]:
