@@ -4,7 +4,9 @@ lora_rank<r>.json to output_dir with, for one fixed completion:
       alone, the policy at initialisation (B = 0), and its reference (adapters disabled);
   per step: the trainer's (adapters on) and vLLM's log-probs after the sync that moves the
       adapted layers only, and vLLM's after a full sync of every weight;
-  base weights and adapters, whole, before and after (their max change).
+  base weights and adapters, whole, before and after (their max change);
+then saves a checkpoint, exports output_dir/hf and output_dir/adapter, and writes the live
+policy's logits of prompt + completion (live_logits.pt) for the exports to be held to.
 
     deepspeed --num_gpus 2 tests/helpers/lora_probe.py --config X.yaml model.lora.r=8 ...
 """
@@ -90,6 +92,14 @@ def main():
     result["adapter_max_change"] = {n: float((adapters_after[n] - t).abs().max()) for n, t in adapters_before.items()}
     result["lora_B_zero_at_init"] = all(float(t.abs().max()) == 0 for n, t in adapters_before.items() if "lora_B" in n)
     result["is_lora"] = lora.is_lora(policy.module)
+    trainer.save()
+    trainer.export()
+    policy.eval()
+    with torch.no_grad():
+        live = policy(input_ids=torch.tensor([prompt + completion])).logits
+    if topology.is_main:
+        torch.save(live, os.path.join(cfg.output_dir, "live_logits.pt"))
+    result["sequence"] = prompt + completion
     os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, f"lora_rank{topology.rank}.json"), "w") as f:
         json.dump(result, f)
