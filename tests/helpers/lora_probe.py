@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from megagrpo.cluster.distributed import init_distributed
 from megagrpo.config.loading import load_config
+from megagrpo.dtypes import DTYPES
 from megagrpo.engines import lora
 from megagrpo.engines.logprobs import completion_logprobs, install_logprob_head
 from megagrpo.rollout.batch import Completion, make_batch
@@ -60,7 +61,7 @@ def main():
     def trainer_logprobs(reference=False):
         return trainer.engine.logprobs(batch, [[0]], reference=reference)[0].tolist()
 
-    base = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=DTYPES[cfg.model.dtype]).eval()
     install_logprob_head(base, cfg.grpo.logprob_chunk_size)
     with torch.no_grad():
         base_logp = completion_logprobs(base, batch, cfg.rollout.temperature)[0][0].tolist()
