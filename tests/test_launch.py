@@ -138,6 +138,7 @@ def test_shipped_job_configs_validate_and_dry_run(tiny, tmp_path, monkeypatch):
             "32b": (5120, 27648, 64, 40, 8, 152064, False, 32763.88)}
     jobs = [("configs/qwen2.5_0.5b_1gpu.yaml", "0.5b", "hostfiles/single_node", {"GPUS_PER_NODE": "1"}, 1),
             ("configs/qwen2.5_7b_1x8.yaml", "7b", "hostfiles/single_node", {}, 8),
+            ("configs/qwen2.5_7b_lora_1x8.yaml", "7b", "hostfiles/single_node", {}, 8),
             ("configs/qwen2.5_32b_4x8.yaml", "32b", "hostfiles/4x8", {}, 32)]
     data = [f"data.train_file={tiny['data']}/train.jsonl", f"data.eval_file={tiny['data']}/eval.jsonl"]
     commands = []
@@ -163,6 +164,8 @@ def test_shipped_job_configs_validate_and_dry_run(tiny, tmp_path, monkeypatch):
         assert f"model: {arch[name][-1]:.2f}M parameters" in out
         assert f"command: deepspeed --hostfile {hostfile}" in out and f"--config {config}" in out
         assert "megagrpo: launching" not in out
+        if "lora" in config:  # r 32 on every linear layer: 32 x (in + out) x 7 per layer, 28 layers
+            assert "LoRA adapters: 80.74M trained parameters" in out and "\n  reference             0.00 MiB" in out
     out = outputs[-1]
     assert "world 32 on 4 nodes: gpu01 ranks 0-7, gpu02 ranks 8-15" in out
     assert "world 32 = dp 32 x tp 1" in out and "command: srun --kill-on-bad-exit=1" in out

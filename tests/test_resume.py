@@ -46,15 +46,17 @@ def _wait_for(condition, timeout, proc):
     raise AssertionError("timed out waiting for the run")
 
 
-@pytest.mark.parametrize("variant", ["mu1", "mu2", "dynamic_sampling_moving_reference"])
+@pytest.mark.parametrize("variant", ["mu1", "mu2", "dynamic_sampling_moving_reference", "lora"])
 def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
     """mu1, mu2: num_iterations 1 and 2; dynamic_sampling_moving_reference: several sampling
     rounds a step (the sampler's position after them saved and restored) and a moving reference
-    (moved at step 2, saved with the step-3 checkpoint as each rank's partitions, restored)."""
+    (moved at step 2, saved with the step-3 checkpoint as each rank's partitions, restored);
+    lora: a LoRA policy, whose checkpoint holds the adapters and their optimizer state only."""
     extra = {"mu1": ["grpo.num_iterations=1"], "mu2": ["grpo.num_iterations=2"],
              "dynamic_sampling_moving_reference": [
                  "grpo.dynamic_sampling=true", "grpo.sync_ref_model=true", "grpo.ref_model_sync_steps=2",
-                 "grpo.ref_model_mixup_alpha=0.5", "grpo.learning_rate=1e-3"]}[variant]
+                 "grpo.ref_model_mixup_alpha=0.5", "grpo.learning_rate=1e-3"],
+             "lora": ["model.lora.r=8", "grpo.learning_rate=1e-3"]}[variant]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run(_command(tiny, straight, extra))
 
@@ -83,6 +85,12 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
         events.Reload()
         zero_spread = [e.value for e in events.Scalars("train/frac_reward_zero_std")]
         assert len(zero_spread) == 6 and max(zero_spread) == 0, zero_spread  # trained on informative groups only
+    if variant == "lora":
+        adapters = [load_file(str(out / "adapter" / "adapter_model.safetensors")) for out in (straight, killed)]
+        assert adapters[0].keys() == adapters[1].keys() and len(adapters[0]) == 28
+        assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+        saved = sum(f.stat().st_size for f in (killed / "checkpoints" / "step_00000003").iterdir())
+        assert saved < os.path.getsize(os.path.join(tiny["warm"], "model.safetensors")), saved  # no base weights
     a = load_file(str(straight / "hf" / "model.safetensors"))
     b = load_file(str(killed / "hf" / "model.safetensors"))
     start = load_file(os.path.join(tiny["warm"], "model.safetensors"))

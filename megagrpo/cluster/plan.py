@@ -17,7 +17,10 @@ the weights too. Gradients are counted as held during the backward: between step
 free them, so the model state measured at rest there is lower by the gradient bytes
 (bench/parallel_memory.py shows both stages). The frozen reference model (when kl_coef > 0)
 holds weights only; the vLLM engine holds one whole copy of the weights plus its
-KV cache.
+KV cache. A LoRA policy (model.lora) trains its adapters only: gradients and optimizer state
+are the adapters' (r x (in + out) per adapted linear layer, plus the modules to save), the
+frozen base holds weights only (partitioned under ZeRO-3 like the adapters), and there is no
+reference model (the base with its adapters disabled is the reference).
 """
 from __future__ import annotations
 
@@ -44,9 +47,11 @@ class Plan:
     zero_stage: int
     params_total: int
     params_sharded: int          # split by tensor parallelism
+    params_trained: int          # with gradients and optimizer state (a LoRA policy: its adapters)
     per_rank: dict               # bytes: params, grads, optimizer, reference, rollout_weights
     ranks: list                  # (rank, dp_rank, tp_rank, pp_stage)
     peak: dict = field(default_factory=dict)  # bytes held at a rank's peak, by what holds them
+    lora: bool = False
 
 
 def count_parameters(model_path: str) -> tuple[int, int]:
@@ -64,6 +69,23 @@ def count_parameters(model_path: str) -> tuple[int, int]:
     return total, sharded
 
 
+def count_adapter_parameters(model_path: str, lora) -> int:
+    """Parameters a LoRA policy trains: r x (in + out) per adapted linear layer (peft's
+    matching: all-linear, or names equal to or ending in a target), plus the modules to save."""
+    from megagrpo.engines.lora import ALL_LINEAR, _meta_model
+    model = _meta_model(model_path)
+    head = model.get_output_embeddings()
+
+    def matches(name, targets):
+        return any(name == t or name.endswith("." + t) for t in targets)
+    adapters = sum(lora.r * (m.in_features + m.out_features) for name, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and m is not head
+                   and (ALL_LINEAR in lora.target_modules or matches(name, lora.target_modules)))
+    saved = sum(p.numel() for name, m in model.named_modules() if matches(name, lora.modules_to_save)
+                for p in m.parameters())
+    return adapters + saved
+
+
 def make_plan(cfg: Config, world_size: int) -> Plan:
     tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
     dp = world_size // (tp * pp)
@@ -73,19 +95,22 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     if pp > 1:  # the largest stage (DeepSpeed's partition by parameters)
         from megagrpo.engines.pipeline_module import ModelParts
         local = max(ModelParts(cfg.model.name_or_path, torch.float32, "sdpa").stage_parameters(pp, tp))
+    lora = cfg.model.lora.r > 0
+    trained = count_adapter_parameters(cfg.model.name_or_path, cfg.model.lora) if lora else local
+    held = local + trained if lora else local  # a LoRA policy: the frozen base and its adapters
     weight_b, grad_b, optim_b = BYTES[cfg.model.dtype]
     per_rank = {
-        "params": local * weight_b // (dp if stage >= 3 else 1),
-        "grads": local * grad_b // (dp if stage >= 2 else 1),
-        "optimizer": local * optim_b // (dp if stage >= 1 else 1),
-        "reference": (local * weight_b // (dp if stage >= 3 else 1)) if cfg.grpo.kl_coef > 0 else 0,
+        "params": held * weight_b // (dp if stage >= 3 else 1),
+        "grads": trained * grad_b // (dp if stage >= 2 else 1),
+        "optimizer": trained * optim_b // (dp if stage >= 1 else 1),
+        "reference": (local * weight_b // (dp if stage >= 3 else 1)) if cfg.grpo.kl_coef > 0 and not lora else 0,
         "rollout_weights": total * weight_b,
     }
     layout = Topology(world_size, 0, 0, tp, pp)
     ranks = [(r, place.dp_rank, place.tp_rank, place.pp_rank) for r in range(world_size)
              for place in [layout.at(r)]]
-    plan = Plan(world_size, dp, tp, pp, stage, total, sharded, per_rank, ranks)
-    plan.peak = peak_memory(cfg, plan, local)
+    plan = Plan(world_size, dp, tp, pp, stage, total, sharded, trained, per_rank, ranks, lora=lora)
+    plan.peak = peak_memory(cfg, plan, trained)
     return plan
 
 
@@ -117,7 +142,7 @@ def activation_bytes_per_token(config, layers: int, dtype: str, checkpointing: b
     return layers * layer
 
 
-def peak_memory(cfg: Config, plan: Plan, local_params: int) -> dict:
+def peak_memory(cfg: Config, plan: Plan, trained_params: int) -> dict:
     """The bytes one rank holds at its peak (the sampling rank of a stage-0 shard: the largest),
     by what holds them. The training step's transient is its largest micro-batch's activations
     and the fused log-prob head's working set; vLLM on CPU does not sleep, so everything is held
@@ -141,7 +166,7 @@ def peak_memory(cfg: Config, plan: Plan, local_params: int) -> dict:
     peak = {
         "runtime": RUNTIME_BYTES[device],
         "trainer_state": state,
-        "gradient_buckets": _bucket_bytes(cfg, local_params, weight_b),
+        "gradient_buckets": _bucket_bytes(cfg, trained_params, weight_b),
         "reference": plan.per_rank["reference"],
         "rollout": (plan.per_rank["rollout_weights"] * VLLM_CPU_WEIGHT_COPIES[cfg.model.dtype]
                     + int(r.cpu_kv_cache_gb * 2**30)) if device == "cpu"
@@ -155,14 +180,14 @@ def peak_memory(cfg: Config, plan: Plan, local_params: int) -> dict:
     return peak
 
 
-def _bucket_bytes(cfg: Config, local_params: int, weight_b: int) -> int:
+def _bucket_bytes(cfg: Config, trained_params: int, weight_b: int) -> int:
     """DeepSpeed's gradient reduction bucket (ZeRO 1-3, contiguous gradients): reduce_bucket_size
     elements (default 5e8) of the gradient dtype, filled as far as the model's gradients go."""
     from megagrpo.config.deepspeed_json import read_deepspeed_config
     zero = read_deepspeed_config(cfg.deepspeed).get("zero_optimization", {})
     if zero.get("stage", 0) == 0 or not zero.get("contiguous_gradients", True):
         return 0
-    return min(int(float(zero.get("reduce_bucket_size", 5e8))), local_params) * weight_b
+    return min(int(float(zero.get("reduce_bucket_size", 5e8))), trained_params) * weight_b
 
 
 def node_memory_bytes() -> tuple[int, str]:
@@ -192,7 +217,7 @@ def memory_verdict(plan: Plan, cfg: Config, ranks_per_node: int, node_bytes: int
         switches.append(f"model.gradient_checkpointing=true (activations now {_gib(activations)})")
     if activations > 0.1 * sum(plan.peak.values()):
         switches.append(f"a smaller grpo.max_tokens_per_microbatch (activations {_gib(activations)} grow with it)")
-    if cfg.grpo.kl_coef > 0:
+    if cfg.grpo.kl_coef > 0 and plan.peak["reference"]:
         switches.append(f"grpo.kl_coef=0 (no reference model: {_gib(plan.peak['reference'])})")
     if plan.peak["logprob_head"] > 0.1 * sum(plan.peak.values()) and cfg.grpo.logprob_chunk_size > 128:
         switches.append(f"a smaller grpo.logprob_chunk_size (the log-prob head's "
@@ -254,7 +279,9 @@ def format_plan(plan: Plan, max_rows: int = 16) -> str:
     lines = [f"world {plan.world_size} = dp {plan.dp} x tp {plan.tp} x pp {plan.pp}; "
              f"ZeRO stage {plan.zero_stage}",
              f"model: {plan.params_total / 1e6:.2f}M parameters, {plan.params_sharded / 1e6:.2f}M "
-             f"split by tensor parallelism",
+             f"split by tensor parallelism"
+             + (f"; LoRA adapters: {plan.params_trained / 1e6:.2f}M trained parameters (the base frozen)"
+                if plan.lora else ""),
              "", f"{'rank':>5} {'dp rank':>8} {'tp shard':>9} {'pp stage':>9}"]
     for rank, dp_rank, tp_rank, stage in plan.ranks[:max_rows]:
         lines.append(f"{rank:>5} {dp_rank:>8} {f'{tp_rank + 1}/{plan.tp}':>9} {stage:>9}")
