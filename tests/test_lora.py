@@ -132,7 +132,7 @@ def _config(tiny, *overrides):
     (["model.lora.target_modules=[q_proj,qkv_proj]"],
      "'qkv_proj' matches no linear layer of .*; its linear layers are down_proj, gate_proj, k_proj, o_proj, "
      "q_proj, up_proj, v_proj"),
-    (["parallel.tensor_parallel_size=2"], "tensor_parallel_size=2 is not supported.*set parallel.tensor_parallel_size=1"),
+    (["parallel.tensor_parallel_size=2"], "tensor_parallel_size=2 is not supported.*set parallel.tensor_parallel_size"),
     (["parallel.pipeline_parallel_size=2"], "pipeline_parallel_size=2 is not supported"),
     (["grpo.sync_ref_model=true"], "sync_ref_model with model.lora is not supported"),
     (["model.lora.modules_to_save=[lm_head]"], "lm_head"),
