@@ -7,10 +7,15 @@
 #   NUM_RANKS=1 bash launch/quickstart.sh     # one rank
 #   bash launch/quickstart.sh grpo.max_steps=80 rollout.engine=hf   # any config override
 #   AGENT=1 bash launch/quickstart.sh         # the multi-turn task: 3-digit products with the python tool
+#   LORA=1 bash launch/quickstart.sh          # the same task with a LoRA policy (configs/tiny_lora.yaml)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 AGENT="${AGENT:-0}"
-if [ "$AGENT" = 1 ]; then
+GRPO_DIR=grpo
+if [ "${LORA:-0}" = 1 ]; then
+  # rank-16 adapters on the quickstart's warm-started model (shared with the full run)
+  RUN_DIR="${RUN_DIR:-runs/tiny}" CONFIG=configs/tiny_lora.yaml TASK=add TOOLS="" TOOL_TOKENS="" GRPO_DIR=grpo_lora
+elif [ "$AGENT" = 1 ]; then
   RUN_DIR="${RUN_DIR:-runs/agent}" CONFIG=configs/tiny_agent.yaml TASK=multiply TOOLS="--tools python"
   TOOL_TOKENS="--tool-tokens"
 else
@@ -34,14 +39,14 @@ if [ ! -f "$RUN_DIR/warm/config.json" ]; then
 fi
 
 echo "== 3/3 GRPO: deepspeed --num_gpus $NUM_RANKS (CPU ranks), ZeRO-3, vLLM co-located ($CONFIG)"
-rm -rf "$RUN_DIR/grpo"  # the quickstart starts over each time (real runs resume: see docs/outputs-and-checkpoints.md)
+rm -rf "${RUN_DIR:?}/$GRPO_DIR"  # the quickstart starts over each time (real runs resume: see docs/outputs-and-checkpoints.md)
 START=$(date +%s)
 deepspeed --num_gpus "$NUM_RANKS" --master_port "$MASTER_PORT" --module megagrpo.train \
   --config "$CONFIG" \
   model.name_or_path="$RUN_DIR/warm" data.train_file="$RUN_DIR/data/train.jsonl" \
-  data.eval_file="$RUN_DIR/data/eval.jsonl" output_dir="$RUN_DIR/grpo" checkpoint.resume=none "$@"
+  data.eval_file="$RUN_DIR/data/eval.jsonl" output_dir="$RUN_DIR/$GRPO_DIR" checkpoint.resume=none "$@"
 echo "GRPO took $(( $(date +%s) - START ))s"
-python - "$RUN_DIR/grpo" <<'PY'
+python - "$RUN_DIR/$GRPO_DIR" <<'PY'
 import glob, json, os, sys
 r = json.load(open(os.path.join(sys.argv[1], "eval_results.json")))
 before, after = r["before"]["rewards/answer_match"], r["after"]["rewards/answer_match"]
@@ -54,4 +59,4 @@ if samples and "trajectories" in open(samples[0]).readline():
         return 100 * sum(calls) / len(calls)
     print(f"held-out tool-call rate: {tool_rate(samples[0]):.1f}% before GRPO -> {tool_rate(samples[-1]):.1f}% after")
 PY
-echo "TensorBoard: tensorboard --logdir $RUN_DIR/grpo/tensorboard"
+echo "TensorBoard: tensorboard --logdir $RUN_DIR/$GRPO_DIR/tensorboard"
