@@ -103,11 +103,13 @@ def main():
 
     from megagrpo.cluster.plan import make_plan
     work = tempfile.mkdtemp(prefix="megagrpo-lora-")
+    subprocess.run([sys.executable, f"{ROOT}/tools/make_demo_data.py", "--out", os.path.join(work, "data")],
+                   check=True, stdout=subprocess.DEVNULL)
     rows = []
     for name in args.models:
         model = os.path.join(work, name)
-        subprocess.run([sys.executable, f"{ROOT}/tools/make_tiny_model.py", "--out", model, *MODELS[name]],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, f"{ROOT}/tools/make_tiny_model.py", "--out", model, *MODELS[name],
+                        "--corpus", os.path.join(work, "data", "sft.jsonl")], check=True, stdout=subprocess.DEVNULL)
         for policy, rank in (("full", 0), (f"lora r{args.rank}", args.rank)):
             out = os.path.join(work, f"{name}-{rank}")
             os.makedirs(out)

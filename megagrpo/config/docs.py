@@ -78,9 +78,16 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def _table(cls, prefix: str) -> list[str]:
-    docs, hints = field_docs(cls), typing.get_type_hints(cls)
-    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    return ["| key | type | default | meaning |", "| --- | --- | --- | --- |"] + _rows(cls, prefix)
+
+
+def _rows(cls, prefix: str) -> list[str]:
+    """One row per field; a field that is itself a dataclass (model.lora) gives its fields' rows."""
+    docs, hints, rows = field_docs(cls), typing.get_type_hints(cls), []
     for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += _rows(hints[f.name], f"{prefix}{f.name}.")
+            continue
         rows.append(f"| `{prefix}{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | "
                     f"{docs.get(f.name, '')} |")
     return rows
@@ -112,5 +119,6 @@ def markdown() -> str:
               "| name | setting |", "| --- | --- |"]
     lines += [f"| `{name}` | `{target}` |" for name, target in schema.ALIASES.items()]
     lines += ["| `use_vllm` | `rollout.engine`: true is `vllm`, false is `hf` |",
-              "| `max_tool_calling_iterations` | `rollout.max_turns`: tool rounds + 1 |", ""]
+              "| `max_tool_calling_iterations` | `rollout.max_turns`: tool rounds + 1 |",
+              "| `use_peft` | `model.lora.r`: true is 16 (unless `lora_r` is given), false is 0 |", ""]
     return "\n".join(lines)
