@@ -24,7 +24,8 @@ from megagrpo.config.loading import load_config
 from megagrpo.config.schema import ConfigError
 
 LAYOUTS = {
-    "zero0_1rank_fp32": (1, ["deepspeed=configs/ds_zero0.json"]),
+    # every norm trained in full beside the adapters (peft: modules whose names end in "norm")
+    "zero0_1rank_fp32_norms_saved": (1, ["deepspeed=configs/ds_zero0.json", "model.lora.modules_to_save=[norm]"]),
     "zero3_2ranks_fp32": (2, ["deepspeed=configs/ds_zero3.json"]),
     # two of the seven linear layers: their siblings (k, o) move with them, the MLP does not
     "zero2_2ranks_bf16_checkpointing_qv": (2, ["deepspeed=configs/ds_zero2.json", "model.dtype=bfloat16",
@@ -68,13 +69,16 @@ def test_lora_policy_on_the_real_stack(tiny, tmp_path, layout):
         assert moved > 1e-2
         assert r["frozen_bit_identical"], r["frozen_max_change"]
         assert min(r["adapter_max_change"].values()) > 0, r["adapter_max_change"]
-        assert all("lora_" in name for name in r["trained_names"])
+        assert all("lora_" in name or ".modules_to_save." in name for name in r["trained_names"])
         assert r["trained_numel"] < 0.1 * r["frozen_numel"]
-        linear = {n for n in r["sent_full"] if "_proj." in n}
+        changed = {n for n in r["sent_full"] if "_proj." in n}
         if "qv" in layout:  # the attention projections (fused q/k/v in vLLM, o beside them), not the MLP
-            linear = {n for n in linear if "self_attn" in n}
-        assert set(r["steps"][0]["sent_changed_only"]) == linear
-        assert not any("embed" in n or "norm" in n for n in r["steps"][0]["sent_changed_only"])
+            changed = {n for n in changed if "self_attn" in n}
+        if "norms_saved" in layout:
+            changed |= {n for n in r["sent_full"] if "norm" in n}
+            assert sum(".modules_to_save." in n for n in r["trained_names"]) == 5  # 2 per layer + the final norm
+        assert set(r["steps"][0]["sent_changed_only"]) == changed
+        assert not any("embed" in n for n in r["steps"][0]["sent_changed_only"])
     # the ranks' Adam moments together are the adapters' (ZeRO 1-3 split them), nothing of the base
     state = sum(r["optimizer_state_numel"] for r in results)
     assert results[0]["trained_numel"] <= state <= results[0]["trained_numel"] + 64 * ranks, state
@@ -149,3 +153,18 @@ def test_trl_names_turn_lora_on(tiny):
     assert _config(tiny, "use_peft=false").model.lora.r == 0
     cfg = _config(tiny, "lora_r=4", "lora_alpha=8", "lora_target_modules=[q_proj]")
     assert (cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.target_modules) == (4, 8.0, ["q_proj"])
+
+
+def test_the_plan_counts_adapter_state_only(tiny, monkeypatch):
+    """r x (in + out) per adapted layer: q_proj and v_proj (hidden 128 -> 128, 2 layers) at r 8,
+    plus every norm (5 x 128) as modules to save; gradients and Adam for those only, no reference."""
+    from megagrpo.cluster.plan import make_plan
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = _config(tiny, "model.lora.r=8", "model.lora.target_modules=[q_proj,v_proj]",
+                  "model.lora.modules_to_save=[norm]")
+    plan = make_plan(cfg, 2)
+    trained = 2 * 2 * 8 * (128 + 128) + 5 * 128
+    assert plan.params_trained == trained and plan.lora
+    assert plan.per_rank["grads"] == trained * 4 // 2 and plan.per_rank["optimizer"] == trained * 12 // 2
+    assert plan.per_rank["reference"] == 0
+    assert plan.per_rank["params"] == (plan.params_total + trained) * 4 // 2

@@ -71,17 +71,16 @@ def count_parameters(model_path: str) -> tuple[int, int]:
 
 def count_adapter_parameters(model_path: str, lora) -> int:
     """Parameters a LoRA policy trains: r x (in + out) per adapted linear layer (peft's
-    matching: all-linear, or names equal to or ending in a target), plus the modules to save."""
-    from megagrpo.engines.lora import ALL_LINEAR, _meta_model
-    model = _meta_model(model_path)
+    matching: all-linear, or names equal to or ending in .target), plus the modules to save
+    (peft's matching: every module whose name ends in one)."""
+    from megagrpo.engines.lora import ALL_LINEAR, meta_model
+    model = meta_model(model_path)
     head = model.get_output_embeddings()
-
-    def matches(name, targets):
-        return any(name == t or name.endswith("." + t) for t in targets)
     adapters = sum(lora.r * (m.in_features + m.out_features) for name, m in model.named_modules()
                    if isinstance(m, torch.nn.Linear) and m is not head
-                   and (ALL_LINEAR in lora.target_modules or matches(name, lora.target_modules)))
-    saved = sum(p.numel() for name, m in model.named_modules() if matches(name, lora.modules_to_save)
+                   and (ALL_LINEAR in lora.target_modules
+                        or any(name == t or name.endswith("." + t) for t in lora.target_modules)))
+    saved = sum(p.numel() for name, m in model.named_modules() if any(name.endswith(t) for t in lora.modules_to_save)
                 for p in m.parameters())
     return adapters + saved
 

@@ -88,7 +88,8 @@ def check_lora(cfg: Config) -> None:
         check_target_modules(lora, cfg.model.name_or_path)
 
 
-def _meta_model(path: str):
+def meta_model(path: str):
+    """The model of an HF folder's config on the meta device (no memory, no weights read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
@@ -104,7 +105,7 @@ def linear_layer_names(model: torch.nn.Module) -> list[str]:
 
 def check_target_modules(lora: LoraConfig, model_path: str) -> None:
     """Every target module and every module to save matches a module of the model."""
-    model = _meta_model(model_path)
+    model = meta_model(model_path)
     head = model.get_output_embeddings()
     linear = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
     names = [name for name, _ in model.named_modules()]
@@ -113,8 +114,8 @@ def check_target_modules(lora: LoraConfig, model_path: str) -> None:
                 f"model.lora.target_modules: '{target}' matches no linear layer of {model_path}; its linear "
                 f"layers are {', '.join(linear_layer_names(model))} (or use all-linear)")
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    for module in lora.modules_to_save:
-        require(any(n == module or n.endswith("." + module) for n in names),
+    for module in lora.modules_to_save:  # peft's matching: any module whose name ends so
+        require(any(n.endswith(module) for n in names),
                 f"model.lora.modules_to_save: '{module}' matches no module of {model_path}")
         require(not (tied and module == "embed_tokens"),
                 f"model.lora.modules_to_save: {model_path} ties embed_tokens to the output head, which "
