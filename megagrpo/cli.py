@@ -4,7 +4,8 @@
     megagrpo validate --config X.yaml key.sub=value ... (check the config, build nothing)
     megagrpo plan --config X.yaml --world-size N ...    (layout and memory per rank)
     megagrpo eval --model PATH --data FILE [--config X.yaml] [key.sub=value ...]
-    megagrpo convert inspect CKPT | to-hf CKPT OUT [--model HF_DIR] [--dtype D]
+    megagrpo convert inspect CKPT | to-hf CKPT OUT | to-adapter CKPT OUT | adapter-to-hf ADAPTER OUT
+    megagrpo report RUN_DIR                             (HTML page and PNGs of a run)
     megagrpo config --markdown                          (the configuration reference page)
 """
 from __future__ import annotations
@@ -19,7 +20,8 @@ commands:
   validate   check a config and its overrides without building anything
   plan       print the layout (dp/tp/pp per rank) and the model-state bytes per rank
   eval       evaluate a model on a held-out file (rewards, pass@k, BLEU, ROUGE, perplexity)
-  convert    inspect a checkpoint, or export it as an HF folder (see `megagrpo convert --help`)
+  convert    inspect a checkpoint, export it as an HF folder or a LoRA adapter (`megagrpo convert --help`)
+  report     render a run's metrics, held-out results and samples as one HTML page with PNGs
   config     print the configuration reference (docs/configuration.md) with --markdown
 """
 
@@ -121,6 +123,11 @@ def _evaluate():
     return main
 
 
+def _report():
+    from megagrpo.report import main
+    return main
+
+
 def _convert():
     from megagrpo.checkpoints.convert import main
     return main
@@ -128,7 +135,8 @@ def _convert():
 
 # command -> a function returning its main(argv) (heavy modules are imported only when used)
 COMMANDS = {"train": _train, "validate": lambda: validate_command, "plan": lambda: plan_command,
-            "config": lambda: config_reference, "eval": _evaluate, "convert": _convert}
+            "config": lambda: config_reference, "eval": _evaluate, "convert": _convert,
+            "report": _report}
 
 
 def main(argv=None) -> int:

@@ -56,6 +56,9 @@ def load_rows(path: str, split: str = "train") -> tuple[list[dict], list[str]]:
         if ext not in _LOADERS:
             raise DataError(f"{path}: unknown data format '{ext}'; use .jsonl, .json, .parquet or .csv")
         lines = _check_jsonl(path) if ext == ".jsonl" else None
+        if os.path.getsize(path) == 0 or lines == []:
+            raise DataError(f"{path}: the file is empty (no rows); point the data setting at a file with "
+                            "one prompt per row, e.g. one JSON object per line with a 'prompt' field")
         ds = datasets.load_dataset(_LOADERS[ext], data_files=path, split="train")
     else:
         lines, ds = None, datasets.load_dataset(path, split=split)
@@ -65,12 +68,20 @@ def load_rows(path: str, split: str = "train") -> tuple[list[dict], list[str]]:
     return rows, where
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles chat templates render (transformers' convention); any other is refused by name."""
+
+
 def _row_messages(row: dict, where: str, prompt_field: str, system_prompt) -> tuple[object, list]:
     if "messages" in row and row["messages"] is not None:
         messages = row["messages"]
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+        for i, m in enumerate(messages):
+            if m["role"] not in CHAT_ROLES:
+                raise DataError(f"{where}: message {i + 1} has role {m['role']!r}, which chat templates do not "
+                                f"know; use one of {', '.join(CHAT_ROLES)}")
         return messages, messages
     if prompt_field not in row or not isinstance(row[prompt_field], str):
         raise DataError(f"{where}: missing string field '{prompt_field}' (or 'messages'); "

@@ -6,9 +6,11 @@ writes `logging.eval_num_generations` completions (greedy when 1, sampled otherw
 
 - reward: mean of the weighted reward, and `rewards/<fn>` per function, over all completions
 - pass@k/<fn>: for k = 1, 2, 4, ... <= n, the unbiased estimator 1 - C(n-c, k) / C(n, k)
-  averaged over prompts, a completion counting as correct when the function gives it 1.0
-- bleu (sacrebleu corpus BLEU), rouge1/rouge2/rougeL (rouge-score F1, stemmed), on the first
-  completion of each row that has a reference (`data.reference_field`)
+  averaged over prompts, a completion counting as correct when the function gives it at least
+  its `pass_threshold`; a function without one gets pass@k only when all its rewards are 0 or
+  1 (a continuous reward's pass@1 of 0.000 would read as a failure)
+- bleu (sacrebleu corpus BLEU / 100, on ROUGE's 0-1 scale), rouge1/rouge2/rougeL (rouge-score
+  F1, stemmed), on the first completion of each row that has a reference (`data.reference_field`)
 - perplexity: exp(mean negative log-likelihood per token) of the references given their
   prompts, under the model being evaluated (the rollout engine scores them)
 - distinct_1/2/3: distinct n-grams / all n-grams over all completions (whitespace tokens)
@@ -28,6 +30,7 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import Optional
 
 import torch
 
@@ -66,9 +69,10 @@ def distinct_n(texts: list[str], n: int) -> float:
 
 
 def bleu(hypotheses: list[str], references: list[str]) -> float:
-    """sacrebleu's corpus BLEU (0-100), one reference per hypothesis."""
+    """sacrebleu's corpus BLEU on a 0-1 scale (sacrebleu's 0-100 score / 100, the scale of
+    ROUGE), one reference per hypothesis."""
     import sacrebleu
-    return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+    return float(sacrebleu.corpus_bleu(hypotheses, [references]).score) / 100
 
 
 def rouge(hypotheses: list[str], references: list[str]) -> dict:
@@ -142,16 +146,23 @@ def gather_records(records: list[dict], group=None) -> list[dict]:
     return sorted(records, key=lambda r: r["index"])
 
 
-def summarize(records: list[dict], function_names: list[str], num_generations: int) -> dict:
-    """The metrics of the module docstring from all records."""
+def summarize(records: list[dict], function_names: list[str], num_generations: int,
+              pass_thresholds: Optional[dict] = None) -> dict:
+    """The metrics of the module docstring from all records; pass_thresholds: {function name:
+    its pass_threshold or None}."""
     totals = [v for r in records for v in r["reward"]]
-    out = {"reward": sum(totals) / len(totals) if totals else float("nan")}
+    out = {"reward": sum(totals) / len(totals) if totals else float("nan")} if function_names else {}
     for name in function_names:
         values = [v for r in records for v in r["rewards"][name]]
         out[f"rewards/{name}"] = sum(values) / len(values) if values else float("nan")
     for name in function_names:
+        threshold = (pass_thresholds or {}).get(name)
+        if threshold is None:
+            if not all(v in (0.0, 1.0) for r in records for v in r["rewards"][name]):
+                continue  # a continuous reward without a pass threshold: no pass@k
+            threshold = 1.0
         for k in pass_k_values(num_generations):
-            per_prompt = [pass_at_k(num_generations, sum(v >= 1.0 - 1e-6 for v in r["rewards"][name]), k)
+            per_prompt = [pass_at_k(num_generations, sum(v >= threshold - 1e-6 for v in r["rewards"][name]), k)
                           for r in records]
             out[f"pass@{k}/{name}"] = sum(per_prompt) / len(per_prompt) if per_prompt else float("nan")
     referenced = [r for r in records if r["reference"] is not None]
@@ -267,6 +278,10 @@ def _evaluate(args, merged) -> int:
                                         cfg.data.prompt_field, cfg.data.system_prompt, cfg.data.eval_split,
                                         toolset.schemas if toolset else None)
         functions = build_reward_functions(cfg.rewards.functions, cfg)
+        if not functions and topology.is_main:
+            print("megagrpo eval: no reward functions are configured, so no reward is reported (text metrics "
+                  "only). Pass them with --config X.yaml (its rewards.functions) or an override, e.g. "
+                  "'rewards.functions=[{name: answer_match}]'", file=sys.stderr, flush=True)
         rollout = build_rollout_engine(cfg, seed=cfg.grpo.seed + topology.rank)
         if toolset:
             generate = AgentLoop(cfg, rollout, tokenizer, toolset).generate
@@ -279,7 +294,8 @@ def _evaluate(args, merged) -> int:
                                 cfg.logging.eval_num_generations, cfg.data.reference_field,
                                 cfg.rollout.max_new_tokens, cfg.grpo.seed)
         records = gather_records(records)
-        results = summarize(records, [f.name for f in functions], cfg.logging.eval_num_generations)
+        results = summarize(records, [f.name for f in functions], cfg.logging.eval_num_generations,
+                            {f.name: f.pass_threshold for f in functions})
         close_reward_functions(functions)
         if toolset:
             toolset.close()
@@ -293,7 +309,7 @@ def _evaluate(args, merged) -> int:
         with open(os.path.join(output, "eval_results.json"), "w") as f:
             json.dump(results_with_meta, f, indent=1)
         write_samples(os.path.join(output, "eval_samples.jsonl"), records)
-        logger = MetricsLogger(output, cfg.logging.report_to == "tensorboard")
+        logger = MetricsLogger(output, cfg.logging, True, {"model": args.model, "data": args.data})
         logger.scalars(0, {f"eval/{k}": v for k, v in results.items()})
         logger.close()
         for key, value in results.items():

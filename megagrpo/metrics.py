@@ -1,31 +1,74 @@
-"""Metrics and console output: TensorBoard scalars and sample text on the main rank, the progress
-bar, and the libraries' console noise kept down."""
+"""Metrics and console output: every metric to every sink (TensorBoard, metrics.jsonl, W&B) on
+the main rank, the progress bar (or a compact line per logged step when stdout is not a
+terminal), and the libraries' console noise kept down."""
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 import warnings
+from typing import Optional
 
 import torch
 
 from megagrpo.cluster.distributed import all_gather_1d, all_reduce
+from megagrpo.config.schema import ConfigError, require
+
+SINKS = ("tensorboard", "jsonl", "wandb")
+
+
+def report_sinks(report_to) -> list[str]:
+    """logging.report_to as a list of sinks: a name or a list of names; none is no sink, all
+    every sink. Unknown names, and wandb when it is not installed, are refused here."""
+    names = [report_to] if isinstance(report_to, str) else report_to
+    require(isinstance(names, list) and all(isinstance(n, str) for n in names),
+            f"logging.report_to: {report_to!r} must be a name or a list of names from {', '.join(SINKS)}, none, all")
+    if "all" in names:
+        names = list(SINKS)
+    unknown = [n for n in names if n not in SINKS + ("none",)]
+    if unknown:
+        raise ConfigError(f"logging.report_to: unknown sink {unknown[0]!r}; use {', '.join(SINKS)}, none or all")
+    names = [n for n in dict.fromkeys(names) if n != "none"]
+    if "wandb" in names:
+        import importlib.util
+        require(importlib.util.find_spec("wandb") is not None,
+                "logging.report_to has wandb but the wandb package is not installed: pip install wandb "
+                "(or `pip install -e .[wandb]`), or remove wandb from logging.report_to")
+    return names
 
 
 class MetricsLogger:
-    """Writes to <output_dir>/tensorboard when report_to is tensorboard and this is rank 0."""
+    """Every metric to every sink of logging.report_to, on the main rank only, from this one
+    place: TensorBoard event files (output_dir/tensorboard), output_dir/metrics.jsonl (one JSON
+    object per logged step: {"step": N, name: value, ...}; a resumed run appends), and W&B
+    (project, run name and tags from logging.*, the resolved config as the run's config). Every
+    sink gets the same names and steps."""
 
-    def __init__(self, output_dir: str, enabled: bool):
-        self.writer = None
+    def __init__(self, output_dir: str, logging_cfg, enabled: bool, config: Optional[dict] = None):
+        sinks = logging_cfg.report_to if enabled else []
         self.log_dir = os.path.join(output_dir, "tensorboard")
-        if enabled:
+        self.writer = self.jsonl = self.wandb = None
+        if "tensorboard" in sinks:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(self.log_dir)
+        if "jsonl" in sinks:
+            os.makedirs(output_dir, exist_ok=True)
+            self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+        if "wandb" in sinks:
+            self.wandb = _start_wandb(output_dir, logging_cfg, config)
 
     def scalars(self, step: int, values: dict) -> None:
+        values = {name: float(value) for name, value in values.items()}
         if self.writer:
             for name, value in values.items():
-                self.writer.add_scalar(name, float(value), step)
+                self.writer.add_scalar(name, value, step)
             self.writer.flush()
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+            self.jsonl.flush()
+        if self.wandb:
+            self.wandb.log(values, step=step)
 
     def text(self, step: int, tag: str, text: str) -> None:
         if self.writer:
@@ -34,6 +77,23 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+        if self.jsonl:
+            self.jsonl.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def _start_wandb(output_dir: str, logging_cfg, config: Optional[dict]):
+    """A W&B run in output_dir/wandb; WANDB_MODE (online, offline, disabled) as the user sets it."""
+    import wandb
+    try:
+        return wandb.init(project=logging_cfg.wandb_project, dir=output_dir, config=config,
+                          name=logging_cfg.run_name or os.path.basename(os.path.normpath(output_dir)),
+                          tags=list(logging_cfg.wandb_tags) or None)
+    except Exception as e:  # noqa: BLE001 - wandb raises its own errors (no login, no network)
+        raise ConfigError(f"logging.report_to has wandb, but W&B could not start ({type(e).__name__}: {e}); "
+                          "log in with `wandb login`, run with WANDB_MODE=offline (sync later with "
+                          "`wandb sync`), or remove wandb from logging.report_to") from None
 
 
 def rollout_metrics(rewards: torch.Tensor, per_function: torch.Tensor, advantages: torch.Tensor,
@@ -126,7 +186,34 @@ def quiet_library_output() -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
-def progress_bar(total: int, initial: int, enabled: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="GRPO", unit="step",
-                dynamic_ncols=True)
+class Progress:
+    """The run's progress on the main rank: a tqdm bar on a terminal; where stdout is not one
+    (SLURM, nohup, a pipe), one compact line every `every` steps instead of carriage returns:
+    step, reward, KL, step time, tokens/s and the time left."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, every: int):
+        self.total, self.every, self.enabled = total, every, enabled
+        self.bar = None
+        self.start, self.first = time.perf_counter(), initial
+        if enabled and sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=initial, desc="GRPO", unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, metrics: dict) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{metrics['reward']:.3f}", step_s=f"{metrics['time/step']:.1f}")
+        elif self.enabled and (step % self.every == 0 or step == self.total):
+            left = (time.perf_counter() - self.start) / max(1, step - self.first) * (self.total - step)
+            print(f"[megagrpo] step {step}/{self.total} reward {metrics['reward']:.3f} "
+                  f"kl {metrics.get('kl', 0.0):.4f} step {metrics['time/step']:.2f}s "
+                  f"tokens/s {metrics.get('tokens_per_second', 0.0):.0f} eta {_clock(left)}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

@@ -25,7 +25,7 @@ from megagrpo.checkpoints import checkpoint
 from megagrpo.cluster.distributed import all_gather_1d, init_distributed
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.deepspeed_json import zero_stage
-from megagrpo.config.loading import load_config
+from megagrpo.config.loading import load_config, to_dict
 from megagrpo.config.schema import Config, ConfigError
 from megagrpo.data import DataError, Prompt, PromptSampler, load_prompts, record_prompts
 from megagrpo.engines import build_engine, lora
@@ -33,7 +33,7 @@ from megagrpo.engines.models import load_tokenizer
 from megagrpo.metrics import (
     MetricsLogger,
     PhaseClock,
-    progress_bar,
+    Progress,
     quiet_library_output,
     rollout_metrics,
     samples_markdown,
@@ -84,7 +84,7 @@ class Trainer:
         # all ranks); the first rank of each model group samples for the group
         self.rollout = build_rollout_engine(cfg, seed=g.seed + topology.dp_rank)
         self.agent = AgentLoop(cfg, self.rollout, self.tokenizer, self.toolset) if self.toolset else None
-        self.metrics = MetricsLogger(cfg.output_dir, topology.is_main and cfg.logging.report_to == "tensorboard")
+        self.metrics = MetricsLogger(cfg.output_dir, cfg.logging, topology.is_main, to_dict(cfg))
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         os.makedirs(cfg.output_dir, exist_ok=True)
         self.step = 0
@@ -101,21 +101,21 @@ class Trainer:
         if self.eval_prompts and self.step == 0:
             results["before"] = self.evaluate()
             self.log(f"held-out before training: {evaluation.format_metrics(results['before'])}")
-        bar = progress_bar(self.total_steps, self.step, self.topo.is_main and cfg.logging.progress_bar)
+        progress = Progress(self.total_steps, self.step, self.topo.is_main and cfg.logging.progress_bar,
+                            cfg.logging.logging_steps)
         while self.step < self.total_steps:
             start = time.perf_counter()
             metrics = self.train_step()
             self.step += 1
             metrics["time/step"] = time.perf_counter() - start
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward']:.3f}", step_s=f"{metrics['time/step']:.1f}")
+            progress.update(self.step, metrics)
             if self.step % cfg.logging.logging_steps == 0 or self.step == self.total_steps:
                 self.metrics.scalars(self.step, {f"train/{k}": v for k, v in metrics.items()})
             if cfg.logging.eval_steps and self.step % cfg.logging.eval_steps == 0 and self.eval_prompts:
                 self.metrics.scalars(self.step, {f"eval/{k}": v for k, v in self.evaluate().items()})
             if cfg.checkpoint.save_steps and self.step % cfg.checkpoint.save_steps == 0:
                 self.save()
-        bar.close()
+        progress.close()
         if not cfg.checkpoint.save_steps or self.step % cfg.checkpoint.save_steps != 0:
             self.save()
         if self.eval_prompts:
@@ -257,7 +257,8 @@ class Trainer:
             self.cfg.data.reference_field, self.cfg.rollout.max_new_tokens, self.cfg.grpo.seed)
         records = evaluation.gather_records(records, self.topo.dp_group)
         metrics = evaluation.summarize(records, [rf.name for rf in self.reward_functions],
-                                       self.cfg.logging.eval_num_generations)
+                                       self.cfg.logging.eval_num_generations,
+                                       {rf.name: rf.pass_threshold for rf in self.reward_functions})
         if self.topo.is_main:
             evaluation.record_evaluation(self.cfg.output_dir, self.step, records, metrics)
         return metrics
@@ -333,7 +334,7 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - every failure must end this rank now
         if not isinstance(e, (DataError, RewardError, ConfigError)):
             traceback.print_exc()
-        print(f"megagrpo: error on rank {topology.rank}: {e}", file=sys.stderr, flush=True)
+        print(f"megagrpo: error on rank {topology.rank}: {e or type(e).__name__}", file=sys.stderr, flush=True)
         # other ranks may wait in a collective: exit without teardown so the launcher sees the
         # failure and stops them, instead of everyone hanging until the process-group timeout
         os._exit(1)

@@ -13,7 +13,7 @@ def test_trl_names_and_overrides(tiny, tmp_path):
         "num_generations=4", "kl_coef=0.3", "use_vllm=false", "grpo.learning_rate=3e-4",
         "report_to=none", "rollout.stop=['###']"])
     assert cfg.grpo.num_generations == 4 and cfg.grpo.kl_coef == 0.3
-    assert cfg.rollout.engine == "hf" and cfg.logging.report_to == "none"
+    assert cfg.rollout.engine == "hf" and cfg.logging.report_to == []
     assert cfg.grpo.learning_rate == 3e-4 and cfg.rollout.stop == ["###"]
 
 

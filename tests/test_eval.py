@@ -29,8 +29,8 @@ def test_text_metrics_equal_the_libraries():
     from rouge_score import rouge_scorer
     records = [record(i, [h, "x"], {"f": [1.0, 0.0]}, r, -2.0 * (i + 1), 4) for i, (h, r) in enumerate(zip(HYPS, REFS))]
     out = summarize(records, ["f"], 2)
-    assert out["bleu"] == sacrebleu.corpus_bleu(HYPS, [REFS]).score
-    assert 0 < out["bleu"] < 100
+    assert out["bleu"] == sacrebleu.corpus_bleu(HYPS, [REFS]).score / 100  # on ROUGE's 0-1 scale
+    assert 0 < out["bleu"] < 1
     scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
     for key in ("rouge1", "rouge2", "rougeL"):
         expected = sum(scorer.score(r, h)[key].fmeasure for h, r in zip(HYPS, REFS)) / 3
@@ -89,13 +89,14 @@ def test_megagrpo_eval_on_vllm(tiny, tmp_path):
     proc = run([f"{BIN}/megagrpo", "eval", "--model", tiny["warm"], "--data", data, "--output", str(out),
                 "model.dtype=float32", f"rollout.max_new_tokens={max_new_tokens}",
                 "logging.eval_num_generations=4", "data.max_prompt_length=64",
-                "rewards.functions=[{name: answer_match}, {name: code, weight: 0.5, args: {timeout_s: 3}}]"])
+                "rewards.functions=[{name: answer_match}, {name: code, weight: 0.5, args: {timeout_s: 3}, "
+                "pass_threshold: 1.0}]"])
     assert "results:" in proc.stdout
     results = json.load(open(out / "eval_results.json"))
     records = [json.loads(line) for line in open(out / "eval_samples.jsonl")]
     assert len(records) == results["num_prompts"] == 6 and all(len(r["completions"]) == 4 for r in records)
     # the numbers in the JSON are those of the samples file
-    assert results == pytest.approx({**summarize(records, ["answer_match", "code"], 4),
+    assert results == pytest.approx({**summarize(records, ["answer_match", "code"], 4, {"code": 1.0}),
                                      "num_prompts": 6, "dropped_prompts": 0, "num_generations": 4})
     assert 0 < results["rewards/answer_match"] < 1 and results["pass@4/answer_match"] >= results["pass@1/answer_match"]
     codes = [v for r in records for v in r["rewards"]["code"]]
@@ -141,7 +142,7 @@ def test_grpo_with_code_reward_and_reward_model(tiny, tmp_path):
     held_out = write_jsonl(tmp_path / "eval.jsonl",
                            code_rows(os.path.join(tiny["data"], "eval.jsonl"), 4, with_reference=True))
     out = tmp_path / "run"
-    rewards = ("[{name: code, weight: 1.0, args: {workers: 2, timeout_s: 3, sandbox: strict}}, "
+    rewards = ("[{name: code, weight: 1.0, args: {workers: 2, timeout_s: 3, sandbox: strict}, pass_threshold: 1.0}, "
                f"{{name: reward_model, weight: 0.1, args: {{path: '{rm}', batch_size: 8}}}}, "
                "{name: 'hostile_programs:HostileCode', weight: 0.1, "
                "args: {workers: 2, timeout_s: 3, sandbox: strict}}]")
@@ -186,15 +187,28 @@ def test_megagrpo_eval_needs_no_reward_function(tiny, tmp_path):
     shutil.copytree(tiny["warm"], model)
     rows = code_rows(os.path.join(tiny["data"], "eval.jsonl"), 3, with_reference=True)
     data = write_jsonl(tmp_path / "held_out.jsonl", rows)
-    run([f"{BIN}/megagrpo", "eval", "--model", str(model), "--data", data, "rollout.engine=hf",
-         "rollout.max_new_tokens=16", "data.max_prompt_length=64"])
+    proc = run([f"{BIN}/megagrpo", "eval", "--model", str(model), "--data", data, "rollout.engine=hf",
+                "rollout.max_new_tokens=16", "data.max_prompt_length=64"])
     results = json.load(open(model / "eval" / "eval_results.json"))
-    assert not any(k.startswith(("rewards/", "pass@")) for k in results)
+    assert not any(k.startswith(("reward", "pass@")) for k in results)
+    # it says why there is no reward and how to get one, and prints no reward line
+    assert "no reward functions are configured" in proc.stderr
+    assert "rewards.functions=[{name: answer_match}]" in proc.stderr
+    assert not any(line.split()[:1] == ["reward"] for line in proc.stdout.splitlines())
     records = [json.loads(line) for line in open(model / "eval" / "eval_samples.jsonl")]
     hyps = [r["completions"][0] for r in records]
     import sacrebleu
-    assert results["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [[r["reference"] for r in rows]]).score)
+    assert results["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [[r["reference"] for r in rows]]).score / 100)
     assert results["perplexity"] > 1.0 and 0 <= results["distinct_2"] <= 1
     proc = run([f"{BIN}/megagrpo", "eval", "--model", str(model), "--data", data, "rollout.engine=hf",
                 "logging.eval_num_generations=0"], check=False)
     assert proc.returncode == 2 and "logging.eval_num_generations: 0 is below the minimum 1" in proc.stderr
+
+
+def test_pass_at_k_is_left_out_for_a_continuous_reward_without_a_threshold():
+    """customer-service style rewards in (0, 1): no pass@k unless a pass_threshold says what passes."""
+    records = [record(i, ["a", "b"], {"cs": [0.7, 0.4], "match": [1.0, 0.0]}) for i in range(3)]
+    out = summarize(records, ["cs", "match"], 2)
+    assert "pass@1/cs" not in out and out["pass@1/match"] == pytest.approx(0.5) and out["rewards/cs"] == 0.55
+    out = summarize(records, ["cs", "match"], 2, {"cs": 0.6})
+    assert out["pass@1/cs"] == pytest.approx(0.5) and out["pass@2/cs"] == 1.0

@@ -318,12 +318,18 @@ def test_slurm_sbatch_runs_and_a_requeued_job_resumes(tiny, tmp_path, slurm):
     out = tmp_path / "run"
     resources = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", "--time=10"]
     first = run(["sbatch", "--wait", *resources, f"--output={tmp_path}/first-%j.out",
-                 f"--export=ALL,MASTER_PORT={free_port()}", "launch/slurm.sbatch", *overrides(tiny, out)],
+                 f"--export=ALL,MASTER_PORT={free_port()}", "launch/slurm.sbatch",
+                 *overrides(tiny, out, **{"logging.progress_bar": "true"})],
                 env=slurm, timeout=300)
     job1 = first.stdout.split()[-1]
     log1 = open(tmp_path / f"first-{job1}.out").read()
     assert f"megagrpo: job {job1} attempt 1 on localhost (srun" in log1
     assert "world 2 = dp 2" in log1 and "done: 2 steps" in log1, log1[-3000:]
+    # the job's log is not a terminal: one compact progress line per logged step, no bar
+    assert "\r" not in log1 and "GRPO:" not in log1
+    progress = [line for line in log1.splitlines() if line.startswith("[megagrpo] step ")]
+    assert [line.split()[2] for line in progress] == ["1/2", "2/2"], progress
+    assert all(" reward " in line and " kl " in line and " tokens/s " in line and " eta " in line for line in progress)
     assert (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
     assert job_state(job1, slurm) == ("COMPLETED", 0)
 

@@ -275,6 +275,9 @@ class RewardFunctionConfig:
     """Weight of this function in the summed reward."""
     args: dict = field(default_factory=dict)
     """Keyword arguments given to the function on every call."""
+    pass_threshold: Optional[float] = None
+    """Held-out pass@k: a completion passes when this function gives it at least this. Unset:
+    pass@k is reported only when every reward the function gave is 0 or 1 (pass/fail)."""
 
 
 @dataclass
@@ -305,8 +308,16 @@ class LoggingConfig:
 
     logging_steps: int = 1
     """Write the training metrics every N steps."""
-    report_to: Literal["tensorboard", "none"] = "tensorboard"
-    """tensorboard: event files under output_dir/tensorboard; none: no logging."""
+    report_to: Any = field(default_factory=lambda: ["tensorboard", "jsonl"])
+    """Where metrics go (TRL's list): tensorboard (output_dir/tensorboard), jsonl (one JSON object
+    per logged step in output_dir/metrics.jsonl), wandb (Weights & Biases; WANDB_MODE=offline
+    works without an account); none, or all. A single name is a list of one."""
+    run_name: Optional[str] = None
+    """The run's name in W&B (default: the output_dir's folder name)."""
+    wandb_project: str = "megagrpo"
+    """The W&B project."""
+    wandb_tags: list = field(default_factory=list)
+    """Tags of the W&B run."""
     sample_steps: int = 10
     """Log sample prompts and completions as text every N steps (0: never)."""
     eval_steps: int = 0

@@ -10,6 +10,7 @@ import os
 from megagrpo.cluster.plan import check_layout
 from megagrpo.config.schema import Config, ConfigError, require
 from megagrpo.engines.lora import check_lora
+from megagrpo.metrics import report_sinks
 from megagrpo.rewards import check_reward_names
 from megagrpo.rollout.tools import check_tools
 
@@ -52,6 +53,7 @@ def validate(cfg: Config, training: bool = True) -> None:
             f"grpo.importance_sampling_cap: {g.importance_sampling_cap} must be >= 1")
     check_objective(g)
     check_lora(cfg)
+    cfg.logging.report_to = report_sinks(cfg.logging.report_to)
     require(cfg.rollout.temperature > 0,
             f"rollout.temperature: {cfg.rollout.temperature} must be > 0 for sampling")
     require(0 < cfg.rollout.top_p <= 1, f"rollout.top_p: {cfg.rollout.top_p} must be in (0, 1]")

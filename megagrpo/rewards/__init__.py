@@ -136,6 +136,7 @@ class RewardFunction:
     fn: Callable
     weight: float
     args: dict
+    pass_threshold: Optional[float] = None  # a completion passes (pass@k) at this reward or more
 
 
 def build_reward_functions(configs, config=None) -> list[RewardFunction]:
@@ -146,11 +147,12 @@ def build_reward_functions(configs, config=None) -> list[RewardFunction]:
         target = resolve(c.name)
         if inspect.isclass(target):
             try:
-                functions.append(RewardFunction(c.name, target(config=config, **c.args), c.weight, {}))
+                functions.append(RewardFunction(c.name, target(config=config, **c.args), c.weight, {},
+                                                c.pass_threshold))
             except Exception as e:
                 raise RewardError(f"reward '{c.name}' could not be built: {type(e).__name__}: {e}") from e
         else:
-            functions.append(RewardFunction(c.name, target, c.weight, dict(c.args)))
+            functions.append(RewardFunction(c.name, target, c.weight, dict(c.args), c.pass_threshold))
     return functions
 
 

@@ -1,0 +1,121 @@
+"""Where a run's numbers go and how they look: one 2-rank run (deepspeed launcher, ZeRO-3,
+vLLM) with logging.report_to=[tensorboard, jsonl, wandb] (W&B offline) writes the same metric
+names, steps and values to all three sinks (read back: TensorBoard's event files, metrics.jsonl,
+the offline W&B run's transaction log); its log has one compact progress line per logged step
+(stdout is a pipe, not a terminal); `megagrpo report` renders every panel, and headless
+Chromium shows the page with nothing on its console."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import BIN, PYTHON, ROOT, free_port, run, tiny_overrides
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
+
+PANELS = ("reward", "kl", "entropy", "clipping", "lengths", "importance_sampling", "optimizer", "step_time",
+          "held_out")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--enable-logging=stderr", "--v=0"]
+
+
+def _last_values(rows):
+    """{(step, name): value}, a name logged twice at one step (eval_steps and the final eval) by
+    its last value, as W&B keeps it."""
+    out = {}
+    for row in rows:
+        step = row["step"]
+        out.update({(step, k): v for k, v in row.items() if k != "step"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def logged_run(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "run"
+    proc = run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "megagrpo.train",
+                "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, out),
+                "grpo.per_device_train_batch_size=16", "grpo.max_steps=4", "logging.eval_steps=2",
+                "logging.report_to=[tensorboard,jsonl,wandb]", "logging.progress_bar=true",
+                "logging.wandb_tags=[ci]", "checkpoint.save_hf_at_end=false"],
+               env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    return out, proc
+
+
+def test_every_sink_gets_the_same_metrics(logged_run):
+    from test_e2e import scalars
+    from wandb_offline import read_run  # tests/helpers
+
+    out, proc = logged_run
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "train/reward" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "eval/reward" in r] == [2, 4, 4]  # eval_steps, then the final eval
+    jsonl = _last_values(rows)
+    tensorboard, _ = scalars(str(out / "tensorboard"))
+    tb = _last_values({"step": s, name: v} for name, events in tensorboard.items() for s, v in events)
+    assert tb.keys() == jsonl.keys()
+    assert all(tb[key] == pytest.approx(jsonl[key], rel=1e-6, abs=1e-30) for key in jsonl)  # TB stores float32
+    wandb = read_run(str(out / "wandb"))
+    history = _last_values({"step": r["_step"], **{k: v for k, v in r.items() if not k.startswith("_")}}
+                           for r in wandb["history"])
+    assert history.keys() == jsonl.keys()
+    assert all(history[key] == pytest.approx(jsonl[key], rel=1e-12) for key in jsonl)
+    assert (wandb["project"], wandb["name"], wandb["tags"]) == ("megagrpo", "run", ["ci"])
+    assert wandb["config"]["grpo"]["max_steps"] == 4 and wandb["config"]["logging"]["report_to"] == [
+        "tensorboard", "jsonl", "wandb"]  # the resolved config
+    # stdout is a pipe: one compact line per logged step, no progress bar
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("[megagrpo] step ")]
+    assert [line.split()[2] for line in progress] == ["1/4", "2/4", "3/4", "4/4"], proc.stdout[-2000:]
+    assert "\r" not in proc.stdout + proc.stderr
+
+
+def _chromium(page, tmp_path, name):
+    shot = tmp_path / f"{name}.png"
+    proc = subprocess.run(["chromium", *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / name}", "--window-size=1200,3000",
+                           f"--screenshot={shot}", f"file://{page}"], capture_output=True, text=True, timeout=120)
+    console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
+    return proc, shot, console
+
+
+def test_report_renders_every_panel_and_the_browser_shows_it(logged_run, tmp_path):
+    from PIL import Image, ImageStat
+
+    out, _ = logged_run
+    proc = run([PYTHON, "-m", "megagrpo.cli", "report", str(out)])
+    page = out / "report" / "report.html"
+    assert f"report: {page}" in proc.stdout
+    text = page.read_text()
+    for key in PANELS:
+        assert f'id="panel-{key}"' in text and (out / "report" / f"{key}.png").is_file(), key
+        section = text.split(f'id="panel-{key}"')[1].split("</section>")[0]
+        assert "data:image/png;base64," in section, f"panel {key} has no plot"
+    assert 'id="panel-samples"' in text and text.count("<tr>") == 6  # the header and 5 held-out samples
+    assert "src=\"http" not in text and "src=\"file" not in text  # self-contained
+    # the capture works: a page that throws shows up on the console
+    broken = tmp_path / "broken.html"
+    broken.write_text("<html><body><script>throw new Error('report-test')</script></body></html>")
+    _, _, console = _chromium(broken, tmp_path, "broken")
+    assert any("report-test" in line for line in console), console
+    proc, shot, console = _chromium(page, tmp_path, "report")
+    assert proc.returncode == 0 and shot.is_file(), proc.stderr[-2000:]
+    assert console == [], console
+    image = Image.open(shot).convert("L")
+    assert image.size == (1200, 3000) and ImageStat.Stat(image).stddev[0] > 10  # not blank
+    assert len(image.getcolors(2**20)) > 50
+
+
+def test_report_without_metrics_names_the_fix(tmp_path):
+    proc = run([PYTHON, "-m", "megagrpo.cli", "report", str(tmp_path)], check=False)
+    assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_report_to_names_are_checked(tiny, tmp_path):
+    from megagrpo.config.loading import load_config
+    from megagrpo.config.schema import ConfigError
+    base = tiny_overrides(tiny, tmp_path)
+    assert load_config("configs/tiny_arith.yaml", base + ["report_to=none"]).logging.report_to == []
+    assert load_config("configs/tiny_arith.yaml", base + ["report_to=wandb"]).logging.report_to == ["wandb"]
+    assert load_config("configs/tiny_arith.yaml", base).logging.report_to == ["tensorboard", "jsonl"]
+    with pytest.raises(ConfigError, match="unknown sink 'mlflow'"):
+        load_config("configs/tiny_arith.yaml", base + ["report_to=[tensorboard,mlflow]"])
