@@ -82,13 +82,13 @@ def plan_command(argv) -> int:
         ranks_per_node = ranks_per_node or max(h.slots for h in hosts)
     os.environ["WORLD_SIZE"] = str(args.world_size)  # validation checks the layout against it
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, planning=True)
+        plan = make_plan(cfg, args.world_size)
     except ConfigError as e:
         print(f"megagrpo: config error: {e}", file=sys.stderr)
         return 2
     if nodes:
         print(nodes)
-    plan = make_plan(cfg, args.world_size)
     print(format_plan(plan))
     node_bytes, what = node_memory_bytes()
     if args.node_memory_gib:

@@ -317,14 +317,16 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, planning=args.dry_run)
+        if args.dry_run:
+            from megagrpo.cluster.plan import format_plan, make_plan
+            plan = make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, DataError) as e:
         print(f"megagrpo: config error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
         if int(os.environ.get("RANK", "0")) == 0:
-            from megagrpo.cluster.plan import format_plan, make_plan
-            print(format_plan(make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))))
+            print(format_plan(plan))
         return 0
     quiet_library_output()
     topology = init_distributed(args.timeout_minutes, cfg.parallel.tensor_parallel_size,

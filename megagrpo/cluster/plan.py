@@ -33,7 +33,7 @@ import torch
 
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.deepspeed_json import zero_stage
-from megagrpo.config.schema import Config, max_sequence_length, require
+from megagrpo.config.schema import Config, ConfigError, max_sequence_length, require
 
 BYTES = {"float32": (4, 4, 12), "bfloat16": (2, 2, 12)}
 
@@ -54,11 +54,24 @@ class Plan:
     lora: bool = False
 
 
+def model_config(model_path: str):
+    """The model's config.json (all a plan reads); ConfigError in one line when it cannot be read."""
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"model.name_or_path: cannot read the config of '{model_path}' ({why}). The plan needs "
+                          "only its config.json: point model.name_or_path at a local model folder, download it "
+                          f"into the HF cache (`huggingface-cli download {model_path} config.json`), or with a "
+                          "cached copy set HF_HUB_OFFLINE=1") from None
+
+
 def count_parameters(model_path: str) -> tuple[int, int]:
     """(all parameters, those AutoTP splits) from the model's config, on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_path)
+    config = model_config(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = sharded = 0
@@ -146,8 +159,7 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int) -> dict:
     by what holds them. The training step's transient is its largest micro-batch's activations
     and the fused log-prob head's working set; vLLM on CPU does not sleep, so everything is held
     together there."""
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(cfg.model.name_or_path)
+    config = model_config(cfg.model.name_or_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g, r = cfg.grpo, cfg.rollout
     weight_b = 4 if cfg.model.dtype == "float32" else 2

@@ -152,7 +152,8 @@ def _build(cls, raw: Any, path: str):
     return cls(**kwargs)
 
 
-def load_config(path: Optional[str], overrides: list[str] = (), training: bool = True) -> Config:
+def load_config(path: Optional[str], overrides: list[str] = (), training: bool = True,
+                planning: bool = False) -> Config:
     """Read a YAML file, apply `key.sub=value` overrides, build and validate the Config
     (training=False: for `megagrpo eval`, which needs no reward function)."""
     raw: dict = {}
@@ -170,7 +171,7 @@ def load_config(path: Optional[str], overrides: list[str] = (), training: bool =
     for text in overrides:
         _set_dotted(raw, *_canonical(*parse_override(text)))
     cfg = _build(Config, raw, "")
-    validate(cfg, training)
+    validate(cfg, training, planning)
     return cfg
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from megagrpo.cluster.plan import check_layout
 from megagrpo.config.schema import Config, ConfigError, require
@@ -15,9 +16,10 @@ from megagrpo.rewards import check_reward_names
 from megagrpo.rollout.tools import check_tools
 
 
-def validate(cfg: Config, training: bool = True) -> None:
+def validate(cfg: Config, training: bool = True, planning: bool = False) -> None:
     """Ranges, divisibility and files; relative paths are taken from the working directory.
-    The layout rules are checked by cluster/plan.py, reward names by the reward registry."""
+    The layout rules are checked by cluster/plan.py, reward names by the reward registry.
+    planning (a dry run, `megagrpo plan`): data files not prepared yet are a warning."""
     g = cfg.grpo
     require(bool(cfg.model.name_or_path),
             "model.name_or_path is empty: set it to an HF model folder, e.g. "
@@ -30,8 +32,12 @@ def validate(cfg: Config, training: bool = True) -> None:
             "Parquet/CSV file or a hub dataset name")
     for key in ("train_file", "eval_file"):
         value = getattr(cfg.data, key)
-        if value and _looks_local(value):
-            require(os.path.isfile(value), f"data.{key}: file '{value}' does not exist")
+        if value and _looks_local(value) and not os.path.isfile(value):
+            message = f"data.{key}: file '{value}' does not exist"
+            if not planning:
+                raise ConfigError(message)
+            print(f"megagrpo: warning: {message} (yet: the plan needs no data; tools/prepare_data.py writes "
+                  "the shipped configs' files)", file=sys.stderr)
     for key, value, lo in [("grpo.num_generations", g.num_generations, 2),
                            ("grpo.per_device_train_batch_size", g.per_device_train_batch_size, 1),
                            ("grpo.gradient_accumulation_steps", g.gradient_accumulation_steps, 1),
