@@ -130,7 +130,9 @@ class Trainer:
         if self.toolset:
             self.toolset.close()
         self.metrics.close()
-        self.log(f"done: {self.step} steps. Watch with: tensorboard --logdir {self.metrics.log_dir}")
+        watch = [f"tensorboard --logdir {self.metrics.log_dir}"] * bool(self.metrics.writer) + [
+            f"megagrpo report {cfg.output_dir}"] * bool(self.metrics.jsonl)
+        self.log(f"done: {self.step} steps." + (f" Watch with: {' or '.join(watch)}" if watch else ""))
         return results
 
     # ---- one GRPO step ------------------------------------------------------------------------

@@ -88,7 +88,8 @@ def _rows(cls, prefix: str) -> list[str]:
         if dataclasses.is_dataclass(hints[f.name]):
             rows += _rows(hints[f.name], f"{prefix}{f.name}.")
             continue
-        rows.append(f"| `{prefix}{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | "
+        kind = "name or list" if f"{prefix}{f.name}" == "logging.report_to" else _type_name(hints[f.name])
+        rows.append(f"| `{prefix}{f.name}` | {kind} | {_default(f)} | "
                     f"{docs.get(f.name, '')} |")
     return rows
 

@@ -325,7 +325,9 @@ class LoggingConfig:
     eval_num_generations: int = 1
     """Completions per held-out prompt: 1 is greedy; n > 1 samples n for pass@k (k <= n)."""
     progress_bar: bool = True
-    """A progress bar on rank 0 with step, reward and step time."""
+    """Progress on rank 0: a bar with step, reward and step time on a terminal; where stdout is
+    not a terminal (SLURM, nohup), one line every logging_steps (step, reward, KL, step time,
+    tokens/s, time left)."""
 
 
 @dataclass
@@ -393,6 +395,7 @@ ALIASES = {
     "seed": "grpo.seed",
     "logging_steps": "logging.logging_steps",
     "report_to": "logging.report_to",
+    "run_name": "logging.run_name",
     "save_steps": "checkpoint.save_steps",
     "max_completion_length": "rollout.max_new_tokens",
     "max_prompt_length": "data.max_prompt_length",
