@@ -56,6 +56,8 @@ def test_docs_document_every_config_key():
                     config_module.RewardsConfig, config_module.Config):
         for f in dataclasses.fields(section):
             assert re.search(rf"\| `(\w+\.)?{f.name}` \|", page) or f.name in (
-                "model", "data", "grpo", "rollout", "parallel", "rewards", "checkpoint", "logging"), f.name
+                "model", "data", "grpo", "rollout", "parallel", "rewards", "checkpoint", "logging", "lora"), f.name
+    for f in dataclasses.fields(config_module.LoraConfig):  # a section inside model: model.lora.<key>
+        assert f"| `model.lora.{f.name}` |" in page, f.name
     for alias in config_module.ALIASES:
         assert f"`{alias}`" in page, alias

@@ -94,8 +94,11 @@ def _check_exports(tiny, out, sequence, convert):
     base = AutoModelForCausalLM.from_pretrained(tiny["warm"], dtype=torch.float32)
     adapter_logits = _logits(PeftModel.from_pretrained(base, str(out / "adapter")), sequence)
     merged_logits = _logits(AutoModelForCausalLM.from_pretrained(str(out / "hf"), dtype=torch.float32), sequence)
-    assert float((adapter_logits - live).abs().max()) < 1e-5
-    assert float((merged_logits - live).abs().max()) < 1e-5
+    assert float((adapter_logits - live).abs().max()) < 1e-5  # peft runs the live policy's operations
+    # (W + s B A) x against W x + s B (A x): float32 rounds the two differently, by a few ulps of
+    # the largest logit (1.4e-5 at 10.7 seen): held to 2e-6 of it, 1e-5 at the tiny model's scale
+    bound = 2e-6 * float(live.abs().max())
+    assert float((merged_logits - live).abs().max()) < bound
     if not convert:
         return
     ckpt = sorted(glob.glob(str(out / "checkpoints" / "step_*")))[-1]
@@ -109,7 +112,7 @@ def _check_exports(tiny, out, sequence, convert):
     exported, converted = _tensors(out / "hf"), _tensors(out / "converted_hf")
     assert exported.keys() == converted.keys() and all(torch.equal(exported[k], converted[k]) for k in exported)
     model = AutoModelForCausalLM.from_pretrained(str(out / "converted_hf"), dtype=torch.float32)
-    assert float((_logits(model, sequence) - live).abs().max()) < 1e-5
+    assert float((_logits(model, sequence) - live).abs().max()) < bound
 
 
 def test_lora_learns_the_quickstart_task_and_its_adapter_evaluates_alike(tiny, tmp_path):
