@@ -41,12 +41,12 @@ def read_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
         raise ReportError(f"{run_dir}: no metrics.jsonl; runs write it with logging.report_to containing jsonl "
                           "(the default). Point megagrpo report at a run's output_dir")
     series: dict[str, dict[int, float]] = {}
-    for name, rows in ((path, _jsonl(path)), (None, _jsonl(os.path.join(run_dir, "eval_history.jsonl")))):
+    for prefix, rows in (("", _jsonl(path)), ("eval/", _jsonl(os.path.join(run_dir, "eval_history.jsonl")))):
         for row in rows:
             step = int(row.pop("step"))
             for key, value in row.items():
                 if isinstance(value, (int, float)):
-                    series.setdefault(key if name else f"eval/{key}", {})[step] = float(value)
+                    series.setdefault(prefix + key, {})[step] = float(value)
     return {k: sorted(v.items()) for k, v in series.items()}
 
 
