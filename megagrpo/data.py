@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megagrpo.cluster.distributed import all_gather_1d
+
 
 class DataError(ValueError):
     """Bad input data; the message names the file and the line or row."""
@@ -158,8 +160,6 @@ def record_prompts(output_dir: str, step: int, indices: list[int], sampling_roun
     """Collective over dp: append a step's prompt indices (all dp ranks) to
     output_dir/prompts_seen.jsonl, so that a resumed run can be checked for skipped or repeated
     data (with the round of dynamic sampling after the first)."""
-    from megagrpo.cluster.distributed import all_gather_1d
-
     everything = all_gather_1d(torch.tensor(indices, dtype=torch.long), topology.dp_group).tolist()
     if topology.is_main:
         row = {"step": step, **({"round": sampling_round} if sampling_round else {}), "prompts": everything}

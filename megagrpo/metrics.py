@@ -47,7 +47,7 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str, logging_cfg, enabled: bool, config: Optional[dict] = None):
         sinks = logging_cfg.report_to if enabled else []
-        self.log_dir = os.path.join(output_dir, "tensorboard")
+        self.output_dir, self.log_dir = output_dir, os.path.join(output_dir, "tensorboard")
         self.writer = self.jsonl = self.wandb = None
         if "tensorboard" in sinks:
             from torch.utils.tensorboard import SummaryWriter
@@ -69,6 +69,12 @@ class MetricsLogger:
             self.jsonl.flush()
         if self.wandb:
             self.wandb.log(values, step=step)
+
+    def how_to_watch(self) -> str:
+        """The commands that show what this logger wrote."""
+        ways = ([f"tensorboard --logdir {self.log_dir}"] if self.writer else []) + (
+            [f"megagrpo report {self.output_dir}"] if self.jsonl else [])
+        return f"Watch with: {' or '.join(ways)}" if ways else ""
 
     def text(self, step: int, tag: str, text: str) -> None:
         if self.writer:

@@ -130,9 +130,7 @@ class Trainer:
         if self.toolset:
             self.toolset.close()
         self.metrics.close()
-        watch = [f"tensorboard --logdir {self.metrics.log_dir}"] * bool(self.metrics.writer) + [
-            f"megagrpo report {cfg.output_dir}"] * bool(self.metrics.jsonl)
-        self.log(f"done: {self.step} steps." + (f" Watch with: {' or '.join(watch)}" if watch else ""))
+        self.log(f"done: {self.step} steps. {self.metrics.how_to_watch()}")
         return results
 
     # ---- one GRPO step ------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def save(engine, root: str, state: TrainerState, keep_last: int, is_main: bool, 
     engine.save_checkpoint(root, tag=tmp, save_latest=False, exclude_frozen_parameters=adapter_config is not None)
     if adapter_config is not None and is_main:
         with open(os.path.join(root, tmp, ADAPTER_CONFIG), "w") as f:
-            json.dump(adapter_config, f, indent=1, default=sorted)
+            json.dump(adapter_config, f, indent=1)
     with open(os.path.join(root, tmp, f"rng_rank{rank}.json"), "w") as f:
         json.dump(rng_state(), f)
     if reference is not None:

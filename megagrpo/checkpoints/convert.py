@@ -220,11 +220,10 @@ def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: i
     if not model or not os.path.isfile(os.path.join(model, "config.json")):
         raise ConvertError(f"{ckpt}: the HF folder for config and tokenizer is unknown or missing "
                            f"('{model}'); pass --model PATH (the run's model.name_or_path)")
-    config = json.load(open(os.path.join(model, "config.json")))
-    tied = config.get("tie_word_embeddings", False)
     if os.path.isfile(os.path.join(ckpt, ADAPTER_CONFIG)):  # a LoRA policy: merge into the base
         tensors = lora.merged_tensors(*_adapter(ckpt, info), model, ckpt)
     else:
+        tied = json.load(open(os.path.join(model, "config.json"))).get("tie_word_embeddings", False)
         tensors = ((n, t) for n, t in hf_tensors(ckpt, model, info) if not (tied and n == "lm_head.weight"))
     log(f"{ckpt}: {info['kind']} -> {out}")
     write_safetensors(tensors, out, shard_mb, DTYPES[dtype] if dtype else None, always_index=True)

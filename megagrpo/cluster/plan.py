@@ -34,6 +34,7 @@ import torch
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.deepspeed_json import zero_stage
 from megagrpo.config.schema import Config, ConfigError, max_sequence_length, require
+from megagrpo.engines.lora import count_trained_parameters
 
 BYTES = {"float32": (4, 4, 12), "bfloat16": (2, 2, 12)}
 
@@ -82,22 +83,6 @@ def count_parameters(model_path: str) -> tuple[int, int]:
     return total, sharded
 
 
-def count_adapter_parameters(model_path: str, lora) -> int:
-    """Parameters a LoRA policy trains: r x (in + out) per adapted linear layer (peft's
-    matching: all-linear, or names equal to or ending in .target), plus the modules to save
-    (peft's matching: every module whose name ends in one)."""
-    from megagrpo.engines.lora import ALL_LINEAR, meta_model
-    model = meta_model(model_path)
-    head = model.get_output_embeddings()
-    adapters = sum(lora.r * (m.in_features + m.out_features) for name, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and m is not head
-                   and (ALL_LINEAR in lora.target_modules
-                        or any(name == t or name.endswith("." + t) for t in lora.target_modules)))
-    saved = sum(p.numel() for name, m in model.named_modules() if any(name.endswith(t) for t in lora.modules_to_save)
-                for p in m.parameters())
-    return adapters + saved
-
-
 def make_plan(cfg: Config, world_size: int) -> Plan:
     tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
     dp = world_size // (tp * pp)
@@ -108,7 +93,7 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
         from megagrpo.engines.pipeline_module import ModelParts
         local = max(ModelParts(cfg.model.name_or_path, torch.float32, "sdpa").stage_parameters(pp, tp))
     lora = cfg.model.lora.r > 0
-    trained = count_adapter_parameters(cfg.model.name_or_path, cfg.model.lora) if lora else local
+    trained = count_trained_parameters(cfg.model.name_or_path, cfg.model.lora) if lora else local
     held = local + trained if lora else local  # a LoRA policy: the frozen base and its adapters
     weight_b, grad_b, optim_b = BYTES[cfg.model.dtype]
     per_rank = {

@@ -38,7 +38,7 @@ def _canonical(key: str, value: Any) -> tuple[str, Any]:
         if not isinstance(value, bool):
             raise ConfigError(f"use_vllm: expected true or false, got {value!r}")
         return "rollout.engine", "vllm" if value else "hf"
-    if key == "use_peft":  # as an override; in a YAML, _apply_aliases keeps a lora_r beside it
+    if key == "use_peft":  # LoRA at TRL's default rank, 16
         if not isinstance(value, bool):
             raise ConfigError(f"use_peft: expected true or false, got {value!r}")
         return "model.lora.r", 16 if value else 0
@@ -55,11 +55,10 @@ def _apply_aliases(raw: dict) -> dict:
             out.setdefault(key, {}).update(value)
         else:
             _set_dotted(out, dotted, value)
-    if use_peft is not None:  # TRL's switch: LoRA at its default rank (16) unless lora_r is given
-        if not isinstance(use_peft, bool):
-            raise ConfigError(f"use_peft: expected true or false, got {use_peft!r}")
+    if use_peft is not None:  # TRL's switch, after the loop: a lora_r beside it keeps its rank
+        _, rank = _canonical("use_peft", use_peft)
         lora = out.setdefault("model", {}).setdefault("lora", {})
-        lora["r"] = lora.get("r", 16) if use_peft else 0
+        lora["r"] = lora.get("r", rank) if rank else 0
     return out
 
 

@@ -52,11 +52,6 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig, seed: int):
         return peft.get_peft_model(model, peft_config(lora, model.config.name_or_path))
 
 
-def is_lora(module: torch.nn.Module) -> bool:
-    import peft
-    return isinstance(module, peft.PeftModel)
-
-
 def adapters_disabled(module: torch.nn.Module):
     """The base model: adapters (and modules_to_save) off for the duration (the reference)."""
     return module.disable_adapter()
@@ -96,26 +91,47 @@ def meta_model(path: str):
         return AutoModelForCausalLM.from_config(config)
 
 
-def linear_layer_names(model: torch.nn.Module) -> list[str]:
-    """Short names of the model's linear layers, the output head excluded."""
+def _linear_layers(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """The model's linear layers by name, the output head excluded."""
     head = model.get_output_embeddings()
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                   if isinstance(module, torch.nn.Linear) and module is not head})
+    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+
+
+def _is_target(name: str, target: str) -> bool:
+    """peft's matching of target_modules: all-linear, the name, or its last dotted parts."""
+    return target == ALL_LINEAR or name == target or name.endswith("." + target)
+
+
+def _is_saved(name: str, module: str) -> bool:
+    """peft's matching of modules_to_save: any name ending so (no dot needed: 'norm' matches
+    'input_layernorm')."""
+    return name.endswith(module)
+
+
+def count_trained_parameters(model_path: str, lora: LoraConfig) -> int:
+    """Parameters a LoRA policy trains: r x (in + out) per adapted linear layer, plus the
+    modules to save; from the model's config on the meta device."""
+    model = meta_model(model_path)
+    adapters = sum(lora.r * (m.in_features + m.out_features) for name, m in _linear_layers(model).items()
+                   if any(_is_target(name, t) for t in lora.target_modules))
+    saved = sum(p.numel() for name, m in model.named_modules()
+                if any(_is_saved(name, t) for t in lora.modules_to_save) for p in m.parameters())
+    return adapters + saved
 
 
 def check_target_modules(lora: LoraConfig, model_path: str) -> None:
     """Every target module and every module to save matches a module of the model."""
     model = meta_model(model_path)
-    head = model.get_output_embeddings()
-    linear = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    linear = _linear_layers(model)
     names = [name for name, _ in model.named_modules()]
+    short = sorted({n.rsplit(".", 1)[-1] for n in linear})
     for target in lora.target_modules:
-        require(target == ALL_LINEAR or any(n == target or n.endswith("." + target) for n in linear),
+        require(any(_is_target(n, target) for n in linear),
                 f"model.lora.target_modules: '{target}' matches no linear layer of {model_path}; its linear "
-                f"layers are {', '.join(linear_layer_names(model))} (or use all-linear)")
+                f"layers are {', '.join(short)} (or use all-linear)")
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    for module in lora.modules_to_save:  # peft's matching: any module whose name ends so
-        require(any(n.endswith(module) for n in names),
+    for module in lora.modules_to_save:
+        require(any(_is_saved(n, module) for n in names),
                 f"model.lora.modules_to_save: '{module}' matches no module of {model_path}")
         require(not (tied and module == "embed_tokens"),
                 f"model.lora.modules_to_save: {model_path} ties embed_tokens to the output head, which "
@@ -131,19 +147,19 @@ def _units(model: torch.nn.Module, adapted_only: bool):
     from peft.utils import ModulesToSaveWrapper
 
     base = model.get_base_model()
-    special = {name: m for name, m in base.named_modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))}
-    adapted_parents = {name.rpartition(".")[0] for name, m in special.items() if isinstance(m, LoraLayer)}
-    seen = set()
-    for name, module in base.named_modules():
-        if any(name.startswith(s + ".") for s in special):
+    adapted_parents = {name.rpartition(".")[0] for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    seen, inside = set(), None
+    for name, module in base.named_modules():  # pre-order: a module's children come right after it
+        if inside and name.startswith(inside):
             continue  # inside a LoRA layer or a wrapper: produced by it
+        inside = None
         if isinstance(module, LoraLayer):
-            layer = module.get_base_layer()
+            layer, inside = module.get_base_layer(), name + "."
             params = [p for p in (layer.weight, layer.bias, module.lora_A[ADAPTER].weight,
                                   module.lora_B[ADAPTER].weight) if p is not None]
             yield params, _merged_layer(name, module)
         elif isinstance(module, ModulesToSaveWrapper):
-            trained = module.modules_to_save[ADAPTER]
+            trained, inside = module.modules_to_save[ADAPTER], name + "."
             yield list(trained.parameters()), _plain(name, trained.named_parameters())
         else:
             own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
@@ -207,8 +223,10 @@ def adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
 
 
 def adapter_config(lora: LoraConfig, base_model: str) -> dict:
-    """adapter_config.json's contents (PEFT's format)."""
-    return peft_config(lora, base_model).to_dict() | {"peft_type": "LORA", "task_type": "CAUSAL_LM"}
+    """adapter_config.json's contents (PEFT's format), plain JSON (peft keeps target_modules as
+    a set)."""
+    config = peft_config(lora, base_model).to_dict() | {"peft_type": "LORA", "task_type": "CAUSAL_LM"}
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
 
 def write_adapter_folder(tensors, config: dict, out_dir: str, write: bool = True) -> None:
@@ -221,7 +239,7 @@ def write_adapter_folder(tensors, config: dict, out_dir: str, write: bool = True
         os.makedirs(out_dir, exist_ok=True)
         save_file(state, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-            json.dump(config, f, indent=1, default=sorted)  # peft keeps target_modules as a set
+            json.dump(config, f, indent=1)
 
 
 def is_adapter_folder(path: str) -> bool:
@@ -246,13 +264,6 @@ def read_adapter_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     if not os.path.isfile(weights):
         raise ConfigError(f"{path}: no adapter_model.safetensors")
     return config, load_file(weights)
-
-
-def merged_folder_tensors(adapter_dir: str, base_dir: Optional[str] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) of an adapter folder merged into its base (adapter_config.json's
-    base_model_name_or_path, or `base_dir`)."""
-    config, adapter = read_adapter_folder(adapter_dir)
-    return merged_tensors(config, adapter, base_dir or config.get("base_model_name_or_path"), adapter_dir)
 
 
 def merged_tensors(config: dict, adapter: dict, base_dir: str, source: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM
 from megagrpo.cluster.distributed import init_distributed
 from megagrpo.config.loading import load_config
 from megagrpo.dtypes import DTYPES
-from megagrpo.engines import lora
 from megagrpo.engines.logprobs import completion_logprobs, install_logprob_head
 from megagrpo.rollout.batch import Completion, make_batch
 from megagrpo.rollout.weight_sync import sync_weights
@@ -92,7 +91,8 @@ def main():
     result["frozen_bit_identical"] = all(torch.equal(frozen_after[n], t) for n, t in frozen_before.items())
     result["adapter_max_change"] = {n: float((adapters_after[n] - t).abs().max()) for n, t in adapters_before.items()}
     result["lora_B_zero_at_init"] = all(float(t.abs().max()) == 0 for n, t in adapters_before.items() if "lora_B" in n)
-    result["is_lora"] = lora.is_lora(policy.module)
+    import peft
+    result["is_lora"] = isinstance(policy.module, peft.PeftModel)
     trainer.save()
     trainer.export()
     policy.eval()
