@@ -21,10 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megagrpo.cluster.distributed import init_distributed
 from megagrpo.config.schema import Config, DataConfig, ModelConfig, RolloutConfig, ToolConfig, max_sequence_length
 from megagrpo.data import load_prompts
-from megagrpo.engines.models import load_tokenizer
+from megagrpo.policy.models import load_tokenizer
 from megagrpo.rollout import tools
 from megagrpo.rollout.agent import AgentLoop
-from megagrpo.rollout.engines import VLLMEngine
+from megagrpo.rollout.generators import VLLMGenerator
 
 
 def force_python(text: str):
@@ -80,7 +80,7 @@ def main():
     prompts, _ = load_prompts(args.prompts, tokenizer, 64, tools=toolset.schemas)
     prompts = prompts[:args.num_prompts]
     results = {}
-    engine = VLLMEngine(base, args.model, seed=0)  # prefix caching on (max_turns > 1)
+    engine = VLLMGenerator(base, args.model, seed=0)  # prefix caching on (max_turns > 1)
 
     def single_turn(chosen, n, seeds):
         return engine.generate([pr.token_ids for pr in chosen], n=n, seeds=seeds)
@@ -94,7 +94,7 @@ def main():
     cold = config(args, 4)
     cold.rollout.max_model_len = max_sequence_length(base)
     cold.rollout.max_turns = 1  # an engine without prefix caching; the loop below still runs 4 turns
-    engine = VLLMEngine(cold, args.model, seed=0)
+    engine = VLLMGenerator(cold, args.model, seed=0)
     loop = AgentLoop(config(args, 4), engine, tokenizer, toolset)
     results["4 turns, no prefix cache"] = measure(lambda c, n, s: loop.generate(c, n, s), prompts,
                                                   args.num_generations, args.repeats, loop)

@@ -46,8 +46,8 @@ def save_and_load(model_dir, ckpt_root):
 
     from megagrpo.checkpoints import checkpoint
     from megagrpo.cluster.distributed import init_distributed
-    from megagrpo.config.loading import load_config
-    from megagrpo.engines import build_engine
+    from megagrpo.validation import load_config
+    from megagrpo.policy import build_policy
 
     topology = init_distributed()
     data = os.path.join(ckpt_root, "data.jsonl")
@@ -56,7 +56,7 @@ def save_and_load(model_dir, ckpt_root):
     cfg = load_config(os.path.join(ROOT, "configs/tiny_arith.yaml"), [
         f"model.name_or_path={model_dir}", f"data.train_file={data}", "data.eval_file=null",
         "model.dtype=float32", "grpo.kl_coef=0"])
-    engine = build_engine(cfg, topology, total_steps=10).policy
+    engine = build_policy(cfg, topology, total_steps=10).policy
     loss = engine(input_ids=torch.tensor([[1, 2, 3, 4]])).logits.float().mean()
     engine.backward(loss)  # one step, so that the optimizer state (Adam moments) exists
     engine.step()

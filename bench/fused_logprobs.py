@@ -1,5 +1,5 @@
 """Per-token log-probs + entropy, forward and backward: the full-logits path against the chunked
-fused one (megagrpo/engines/fused_logprobs.py), peak extra memory and wall time, side by side on CPU.
+fused one (megagrpo/policy/fused_logprobs.py), peak extra memory and wall time, side by side on CPU.
 
     python bench/fused_logprobs.py                                       # Qwen2.5-0.5B head
     python bench/fused_logprobs.py --n 2048 --hidden 256 --vocab 32000   # quick
@@ -32,7 +32,7 @@ def child(args):
     """One variant in this process; prints its result as one JSON line."""
     import torch
 
-    from megagrpo.engines.fused_logprobs import fused_token_logprobs, naive_token_logprobs
+    from megagrpo.policy.fused_logprobs import fused_token_logprobs, naive_token_logprobs
 
     if args.threads:
         torch.set_num_threads(args.threads)

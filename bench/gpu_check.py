@@ -10,11 +10,11 @@ prepare (the demo task and tiny models, tools/make_demo_data.py and tools/make_t
 then the checks:
   vllm_sleep      vllm.LLM(enable_sleep_mode=True): generate, sleep(level=1), a torch train step
                   on the GPU, wake_up, generate again; GPU memory freed by the sleep
-  flash_logprobs  the trainer's log-prob pass (megagrpo.engines.logprobs, packing) with flash-attn
+  flash_logprobs  the trainer's log-prob pass (megagrpo.policy.logprobs, packing) with flash-attn
                   varlen on one packed row against SDPA on padded rows, bf16; max abs difference
   grpo_zero3      2 GRPO steps of configs/tiny_arith.yaml, bf16, ZeRO-3 (configs/ds_zero3_bf16.json),
                   through the DeepSpeed launcher on 1 GPU; step times and losses from TensorBoard
-  weight_sync     the trainer's weight sync (megagrpo.rollout.weight_sync into VLLMEngine) in GB/s,
+  weight_sync     the trainer's weight sync (megagrpo.rollout.weight_sync into VLLMGenerator) in GB/s,
                   against a device-to-device copy of the same bytes
   nccl            all_reduce / all_gather / broadcast on CUDA tensors over NCCL, through torchrun:
                   2 processes when there are 2 GPUs, else a world of 1 (NCCL refuses 2 ranks on one GPU)
@@ -320,7 +320,7 @@ def _random_batch(vocab_size: int, prompt_seed: int = 0, completion_seed: int = 
     the completions depend on completion_seed alone."""
     import torch
 
-    from megagrpo.rollout.batch import Completion, make_batch
+    from megagrpo.policy.batch import Completion, make_batch
     prompt_rng, completion_rng = random.Random(prompt_seed), random.Random(completion_seed)
     prompts, completions = [], []
     for _ in range(rows):
@@ -337,7 +337,7 @@ def check_flash_logprobs(work: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megagrpo.engines.logprobs import _one_row, completion_logprobs, install_logprob_head
+    from megagrpo.policy.logprobs import _one_row, completion_logprobs, install_logprob_head
 
     def load(attn):
         model = AutoModelForCausalLM.from_pretrained(str(work / "model"), dtype=torch.bfloat16,
@@ -347,7 +347,7 @@ def check_flash_logprobs(work: Path) -> dict:
 
     out = {}
     try:
-        from megagrpo.engines.models import attention_implementation
+        from megagrpo.policy.models import attention_implementation
         out["project_attention_implementation"] = attention_implementation()
     except ImportError as e:  # models.py imports deepspeed
         out["project_attention_implementation"] = f"unknown ({e})"
@@ -436,7 +436,7 @@ def check_grpo_zero3(work: Path, deadline: float) -> dict:
 
 
 def check_weight_sync(work: Path) -> dict:
-    """The trainer's sync path (named_full_tensors -> sync_weights -> VLLMEngine.load_weights) in
+    """The trainer's sync path (named_full_tensors -> sync_weights -> VLLMGenerator.load_weights) in
     GB/s, against copying the same tensors into preallocated ones on the GPU; and that vLLM
     scores like the trainer's (perturbed) model afterwards."""
     import torch
@@ -445,13 +445,14 @@ def check_weight_sync(work: Path) -> dict:
 
     from megagrpo.cluster.distributed import init_distributed
     from megagrpo.config.schema import Config, ModelConfig, RolloutConfig
-    from megagrpo.rollout.engines import VLLMEngine
-    from megagrpo.rollout.weight_sync import named_full_tensors, sync_weights
+    from megagrpo.rollout.generators import VLLMGenerator
+    from megagrpo.policy.weight_gather import named_full_tensors
+    from megagrpo.rollout.weight_sync import sync_weights
 
     path = str(work / "sync_model")
     init_distributed()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    engine = VLLMEngine(Config(model=ModelConfig(name_or_path=path, dtype="bfloat16"),
+    engine = VLLMGenerator(Config(model=ModelConfig(name_or_path=path, dtype="bfloat16"),
                                rollout=RolloutConfig(max_new_tokens=16)), path, seed=0)
     with torch.no_grad():  # the trainer's weights now differ from those vLLM loaded from disk
         gen = torch.Generator(device="cuda").manual_seed(0)

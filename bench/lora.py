@@ -34,7 +34,7 @@ SEQUENCES, LENGTH, STEPS = 8, 96, 3
 
 
 def _config(model, data, rank):
-    from megagrpo.config.loading import load_config
+    from megagrpo.validation import load_config
     return load_config(os.path.join(ROOT, "configs/tiny_arith.yaml"), [
         f"model.name_or_path={model}", f"data.train_file={data}", "data.eval_file=null", "grpo.kl_coef=0.04",
         "model.dtype=float32", "deepspeed=configs/ds_zero3.json", "grpo.per_device_train_batch_size=4",
@@ -45,9 +45,9 @@ def _config(model, data, rank):
 def probe(model, out_dir, rank):
     """Runs inside each rank (under the deepspeed launcher)."""
     from megagrpo.cluster.distributed import init_distributed
-    from megagrpo.engines import build_engine
-    from megagrpo.rollout.batch import Completion, make_batch
-    from megagrpo.rollout.engines import VLLMEngine
+    from megagrpo.policy import build_policy
+    from megagrpo.policy.batch import Completion, make_batch
+    from megagrpo.rollout.generators import VLLMGenerator
     from megagrpo.rollout.weight_sync import sync_weights
 
     topology = init_distributed()
@@ -57,7 +57,7 @@ def probe(model, out_dir, rank):
     cfg.deepspeed = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 10**6, "allgather_bucket_size": 10**6,
                                            "stage3_prefetch_bucket_size": 10**6,
                                            "stage3_param_persistence_threshold": 0, "contiguous_gradients": False}}
-    engine = build_engine(cfg, topology, total_steps=10)
+    engine = build_policy(cfg, topology, total_steps=10)
     per_rank = SEQUENCES // topology.dp_size
     gen = torch.Generator().manual_seed(topology.dp_rank)
     vocab = engine.policy.module.config.vocab_size
@@ -75,7 +75,7 @@ def probe(model, out_dir, rank):
         engine.optimize(batch, micro_batches)
         update_s.append(time.perf_counter() - start)
     state = live_tensor_bytes() - before
-    rollout = VLLMEngine(cfg, model, seed=0)
+    rollout = VLLMGenerator(cfg, model, seed=0)
     sync = {}
     for kind, changed_only in (("all", False), ("changed", True)):
         times = [sync_weights(engine.full_tensors(changed_only=changed_only), rollout, partial=changed_only)
@@ -101,7 +101,7 @@ def main():
     if args.probe:
         return probe(args.probe[0], args.probe[1], int(args.probe[2]))
 
-    from megagrpo.cluster.plan import make_plan
+    from megagrpo.planning import make_plan
     work = tempfile.mkdtemp(prefix="megagrpo-lora-")
     subprocess.run([sys.executable, f"{ROOT}/tools/make_demo_data.py", "--out", os.path.join(work, "data")],
                    check=True, stdout=subprocess.DEVNULL)

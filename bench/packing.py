@@ -22,9 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megagrpo.algorithm import grpo  # noqa: E402
-from megagrpo.engines.logprobs import completion_logprobs, install_logprob_head  # noqa: E402
-from megagrpo.engines.packing import balanced_microbatches  # noqa: E402
-from megagrpo.rollout.batch import Completion, make_batch
+from megagrpo.policy.logprobs import completion_logprobs, install_logprob_head  # noqa: E402
+from megagrpo.policy.packing import balanced_microbatches  # noqa: E402
+from megagrpo.policy.batch import Completion, make_batch
 
 
 def skewed_lengths(n, low, high, seed):

@@ -48,7 +48,7 @@ def live_tensor_bytes() -> int:
 
 
 def _config(model, data, tp, pp, stage):
-    from megagrpo.config.loading import load_config
+    from megagrpo.validation import load_config
     return load_config(os.path.join(ROOT, "configs/tiny_arith.yaml"), [
         f"model.name_or_path={model}", f"data.train_file={data}", "data.eval_file=null",
         "grpo.kl_coef=0", f"parallel.tensor_parallel_size={tp}",
@@ -59,8 +59,8 @@ def _config(model, data, tp, pp, stage):
 def probe(model, out_dir, tp, pp, stage):
     """Runs inside each rank (under the deepspeed launcher)."""
     from megagrpo.cluster.distributed import init_distributed
-    from megagrpo.engines import build_engine
-    from megagrpo.rollout.batch import Completion, make_batch
+    from megagrpo.policy import build_policy
+    from megagrpo.policy.batch import Completion, make_batch
 
     topology = init_distributed(tp_size=tp, pp_size=pp)
     before = live_tensor_bytes()
@@ -71,7 +71,7 @@ def probe(model, out_dir, tp, pp, stage):
                                            "stage3_prefetch_bucket_size": 10**6,
                                            "stage3_param_persistence_threshold": 0,
                                            "contiguous_gradients": False}}
-    engine = build_engine(cfg, topology, total_steps=10)
+    engine = build_policy(cfg, topology, total_steps=10)
     per_rank = GLOBAL_SEQUENCES // topology.dp_size
     gen = torch.Generator().manual_seed(topology.dp_rank)
     vocab = engine.policy.module.config.vocab_size
@@ -100,7 +100,7 @@ def main():
     if args.probe:
         return probe(*args.probe, *args.layout)
 
-    from megagrpo.cluster.plan import make_plan
+    from megagrpo.planning import make_plan
     work = tempfile.mkdtemp(prefix="megagrpo-memory-")
     model = os.path.join(work, "model")
     subprocess.run([sys.executable, f"{ROOT}/tools/make_tiny_model.py", "--out", model,

@@ -125,7 +125,7 @@ def main() -> None:
                            "configs/tiny_arith.yaml", *settings], cwd=ROOT, capture_output=True, text=True)
     print(plan.stdout)
     planned = float(re.search(r"\n  total +([\d.]+) GiB", plan.stdout).group(1))
-    from megagrpo.cluster.plan import count_parameters
+    from megagrpo.planning import count_parameters
     weights_gib = count_parameters(model)[0] * (4 if args.dtype == "float32" else 2) / 2**30
 
     sampler = RSSSampler(f"output_dir={out}")

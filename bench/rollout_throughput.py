@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megagrpo.cluster.distributed import init_distributed  # noqa: E402
 from megagrpo.config.schema import Config, DataConfig, ModelConfig, RolloutConfig  # noqa: E402
 from megagrpo.data import load_prompts  # noqa: E402
-from megagrpo.engines.models import load_tokenizer  # noqa: E402
-from megagrpo.rollout.engines import HFEngine, VLLMEngine  # noqa: E402
+from megagrpo.policy.models import load_tokenizer  # noqa: E402
+from megagrpo.rollout.generators import HFGenerator, VLLMGenerator  # noqa: E402
 
 
 def measure(engine, prompt_ids, n, repeats):
@@ -50,7 +50,7 @@ def main():
     prompts, _ = load_prompts(args.prompts, tokenizer, 128)
     prompt_ids = [pr.token_ids for pr in prompts[:args.num_prompts]]
     results = {}
-    for name, engine_class in (("hf", HFEngine), ("vllm", VLLMEngine)):
+    for name, engine_class in (("hf", HFGenerator), ("vllm", VLLMGenerator)):
         engine = engine_class(cfg, args.model, seed=0)
         results[name] = measure(engine, prompt_ids, args.num_generations, args.repeats)
         del engine

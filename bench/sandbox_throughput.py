@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megagrpo.rewards.sandbox import Sandbox, sandbox_python  # noqa: E402
+from megagrpo.sandbox import Sandbox, sandbox_python  # noqa: E402
 
 PROGRAM = "print(sum(range(10)))"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,8 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megagrpo.cluster.distributed import init_distributed  # noqa: E402
 from megagrpo.config.schema import Config, ModelConfig, RolloutConfig  # noqa: E402
-from megagrpo.rollout.engines import VLLMEngine  # noqa: E402
-from megagrpo.rollout.weight_sync import named_full_tensors, sync_weights  # noqa: E402
+from megagrpo.rollout.generators import VLLMGenerator  # noqa: E402
+from megagrpo.policy.weight_gather import named_full_tensors  # noqa: E402
+from megagrpo.rollout.weight_sync import sync_weights  # noqa: E402
 
 
 def best_of(fn, repeats):
@@ -44,7 +45,7 @@ def main():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         cfg = Config(model=ModelConfig(name_or_path=path, dtype="float32"),
                      rollout=RolloutConfig(max_new_tokens=16))
-        engine = VLLMEngine(cfg, path, seed=0)
+        engine = VLLMGenerator(cfg, path, seed=0)
         params = sum(p.numel() for p in model.parameters()) / 1e6
         targets = [t.clone() for _, t in named_full_tensors(model)]
 

@@ -27,7 +27,8 @@ commands:
 
 
 def validate_command(argv) -> int:
-    from megagrpo.config.loading import load_config, to_dict
+    from megagrpo.validation import load_config
+    from megagrpo.config.loading import to_dict
     from megagrpo.config.schema import ConfigError
 
     p = argparse.ArgumentParser(prog="megagrpo validate",
@@ -48,8 +49,8 @@ def validate_command(argv) -> int:
 def plan_command(argv) -> int:
     import os
 
-    from megagrpo.cluster.plan import format_plan, make_plan, memory_verdict, node_memory_bytes
-    from megagrpo.config.loading import load_config
+    from megagrpo.planning import format_plan, make_plan, memory_verdict, node_memory_bytes
+    from megagrpo.validation import load_config
     from megagrpo.config.schema import ConfigError
 
     p = argparse.ArgumentParser(prog="megagrpo plan",

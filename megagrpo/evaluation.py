@@ -36,7 +36,7 @@ import torch
 
 from megagrpo.rewards import compute_rewards
 from megagrpo.rollout.agent import answer_texts, completion_fields
-from megagrpo.rollout.engines import EVAL_STEP, sampling_seed
+from megagrpo.rollout.generators import EVAL_STEP, sampling_seed
 
 # ---- metrics (pure functions of texts and counts) ----------------------------------------------
 
@@ -243,14 +243,14 @@ def _evaluate(args, merged) -> int:
     """`megagrpo eval`; `merged`: an empty folder to merge an adapter folder (args.model) into."""
     from megagrpo.checkpoints.convert import ConvertError, adapter_to_hf
     from megagrpo.cluster.distributed import init_distributed
-    from megagrpo.config.loading import load_config
+    from megagrpo.validation import load_config
     from megagrpo.config.schema import ConfigError
     from megagrpo.data import DataError, load_prompts
-    from megagrpo.engines.models import load_tokenizer
+    from megagrpo.policy.models import load_tokenizer
     from megagrpo.metrics import MetricsLogger, quiet_library_output
     from megagrpo.rewards import RewardError, build_reward_functions, close_reward_functions
     from megagrpo.rollout.agent import AgentLoop
-    from megagrpo.rollout.engines import build_rollout_engine
+    from megagrpo.rollout.generators import build_generator
     from megagrpo.rollout.tools import Toolset
 
     model = args.model
@@ -282,7 +282,7 @@ def _evaluate(args, merged) -> int:
             print("megagrpo eval: no reward functions are configured, so no reward is reported (text metrics "
                   "only). Pass them with --config X.yaml (its rewards.functions) or an override, e.g. "
                   "'rewards.functions=[{name: answer_match}]'", file=sys.stderr, flush=True)
-        rollout = build_rollout_engine(cfg, seed=cfg.grpo.seed + topology.rank)
+        rollout = build_generator(cfg, seed=cfg.grpo.seed + topology.rank)
         if toolset:
             generate = AgentLoop(cfg, rollout, tokenizer, toolset).generate
         else:

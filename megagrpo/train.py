@@ -6,7 +6,7 @@ One step:
     -> rewards -> group advantages
     -> reference (and old-policy) logprobs -> mu passes of clipped, KL-penalised updates
     -> weight sync into the rollout engine -> metrics, checkpoint
-The policy engine (engines/) hides the parallel layout: this loop is the same for all of them.
+The policy engine (policy/) hides the parallel layout: this loop is the same for all of them.
 """
 from __future__ import annotations
 
@@ -25,11 +25,12 @@ from megagrpo.checkpoints import checkpoint
 from megagrpo.cluster.distributed import all_gather_1d, init_distributed
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.deepspeed_json import zero_stage
-from megagrpo.config.loading import load_config, to_dict
+from megagrpo.validation import load_config
+from megagrpo.config.loading import to_dict
 from megagrpo.config.schema import Config, ConfigError
 from megagrpo.data import DataError, Prompt, PromptSampler, load_prompts, record_prompts
-from megagrpo.engines import build_engine, lora
-from megagrpo.engines.models import load_tokenizer
+from megagrpo.policy import build_policy, lora
+from megagrpo.policy.models import load_tokenizer
 from megagrpo.metrics import (
     MetricsLogger,
     PhaseClock,
@@ -46,8 +47,8 @@ from megagrpo.rewards import (
     compute_rewards,
 )
 from megagrpo.rollout.agent import AgentLoop, agent_metrics, answer_texts, completion_fields
-from megagrpo.rollout.batch import make_batch
-from megagrpo.rollout.engines import build_rollout_engine, sampling_seed
+from megagrpo.policy.batch import make_batch
+from megagrpo.rollout.generators import build_generator, sampling_seed
 from megagrpo.rollout.groups import SampledGroups, sample_informative_groups
 from megagrpo.rollout.tools import Toolset
 from megagrpo.rollout.weight_sync import sync_weights
@@ -79,10 +80,10 @@ class Trainer:
                                      topology.dp_rank, topology.dp_size, g.seed, data.shuffle)
         self.total_steps = g.max_steps if g.max_steps > 0 else max(
             1, math.ceil(g.num_train_epochs * self.sampler.steps_per_epoch))
-        self.engine = build_engine(cfg, topology, self.total_steps)
+        self.engine = build_policy(cfg, topology, self.total_steps)
         # every rank builds a rollout engine (vLLM's external launcher forms its groups over
         # all ranks); the first rank of each model group samples for the group
-        self.rollout = build_rollout_engine(cfg, seed=g.seed + topology.dp_rank)
+        self.rollout = build_generator(cfg, seed=g.seed + topology.dp_rank)
         self.agent = AgentLoop(cfg, self.rollout, self.tokenizer, self.toolset) if self.toolset else None
         self.metrics = MetricsLogger(cfg.output_dir, cfg.logging, topology.is_main, to_dict(cfg))
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
@@ -319,7 +320,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides, planning=args.dry_run)
         if args.dry_run:
-            from megagrpo.cluster.plan import format_plan, make_plan
+            from megagrpo.planning import format_plan, make_plan
             plan = make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, DataError) as e:
         print(f"megagrpo: config error: {e}", file=sys.stderr)

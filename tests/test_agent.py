@@ -17,10 +17,10 @@ from transformers import AutoTokenizer
 sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
 import agent_tools
 
-from megagrpo.config.loading import load_config
+from megagrpo.validation import load_config
 from megagrpo.config.schema import ConfigError
 from megagrpo.rollout.agent import ToolMessageRenderer
-from megagrpo.rollout.batch import Completion, make_batch
+from megagrpo.policy.batch import Completion, make_batch
 from megagrpo.rollout.tools import ToolRunner, Toolset, check_arguments, hermes
 
 HELPERS = "agent_tools"  # tests/helpers is on PYTHONPATH for the runs below

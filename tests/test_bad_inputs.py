@@ -67,7 +67,7 @@ def test_prepare_data_writes_the_configs_files_from_local_gsm8k_files(tmp_path):
                     {"prompt": "What is 2 + 2?", "answer": "4"}]
     assert [json.loads(line) for line in open(out / "test.jsonl")] == [{"prompt": "5 - 7?", "answer": "-2"}]
     # the written files are what the trainer reads: the shipped config validates against them
-    from megagrpo.config.loading import load_config
+    from megagrpo.validation import load_config
     cfg = load_config("configs/qwen2.5_7b_1x8.yaml", [f"data.train_file={out / 'train.jsonl'}",
                                                        f"data.eval_file={out / 'test.jsonl'}"])
     assert cfg.data.train_file.endswith("train.jsonl")

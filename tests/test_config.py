@@ -4,7 +4,7 @@ import sys
 import pytest
 from conftest import ROOT, run, tiny_overrides
 
-from megagrpo.config.loading import load_config
+from megagrpo.validation import load_config
 from megagrpo.config.schema import ConfigError
 
 

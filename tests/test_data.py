@@ -3,7 +3,7 @@ import pytest
 from conftest import write_jsonl
 
 from megagrpo.data import DataError, PromptSampler, load_prompts
-from megagrpo.engines.models import load_tokenizer
+from megagrpo.policy.models import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ against float64 finite differences."""
 import pytest
 import torch
 
-from megagrpo.engines.fused_logprobs import fused_token_logprobs, naive_token_logprobs
+from megagrpo.policy.fused_logprobs import fused_token_logprobs, naive_token_logprobs
 
 
 def make_inputs(N, H, V, dtype=torch.float32, scale=1.0, seed=0):

@@ -111,7 +111,7 @@ def test_gradients_match_float64_reference():
 def test_lr_schedule_counts_optimizer_steps():
     """Warmup and cosine are sized in optimizer steps: num_iterations per training step."""
     from megagrpo.config.schema import Config
-    from megagrpo.engines.models import lr_lambda
+    from megagrpo.policy.models import lr_lambda
     cfg = Config()
     cfg.grpo.lr_scheduler_type, cfg.grpo.warmup_steps, cfg.grpo.num_iterations = "cosine", 2, 2
     factor = lr_lambda(cfg, total_steps=10)  # 20 optimizer steps, 4 of warmup

@@ -132,7 +132,7 @@ def test_shipped_job_configs_validate_and_dry_run(tiny, tmp_path, monkeypatch):
 
     from transformers import Qwen2Config
 
-    from megagrpo.config.loading import load_config
+    from megagrpo.validation import load_config
     arch = {"0.5b": (896, 4864, 24, 14, 2, 151936, True, 494.03),
             "7b": (3584, 18944, 28, 28, 4, 152064, False, 7615.62),
             "32b": (5120, 27648, 64, 40, 8, 152064, False, 32763.88)}

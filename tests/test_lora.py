@@ -20,7 +20,7 @@ import torch
 from conftest import BIN, PYTHON, free_port, run, tiny_overrides
 from safetensors.torch import load_file
 
-from megagrpo.config.loading import load_config
+from megagrpo.validation import load_config
 from megagrpo.config.schema import ConfigError
 
 LAYOUTS = {
@@ -161,7 +161,7 @@ def test_trl_names_turn_lora_on(tiny):
 def test_the_plan_counts_adapter_state_only(tiny, monkeypatch):
     """r x (in + out) per adapted layer: q_proj and v_proj (hidden 128 -> 128, 2 layers) at r 8,
     plus every norm (5 x 128) as modules to save; gradients and Adam for those only, no reference."""
-    from megagrpo.cluster.plan import make_plan
+    from megagrpo.planning import make_plan
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = _config(tiny, "model.lora.r=8", "model.lora.target_modules=[q_proj,v_proj]",
                   "model.lora.modules_to_save=[norm]")

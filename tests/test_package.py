@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles, the generated configuration page up to date, lint."""
+"""The package's shape: the layering the imports keep (docs/architecture.md), no import cycles, no
+large modules, the generated configuration page up to date, lint."""
 import ast
 import pathlib
 import re
@@ -63,9 +64,72 @@ def find_cycle(graph: dict[str, set[str]]):
     return None
 
 
+# The order of the packages (docs/architecture.md): each imports only those in layers before its
+# own, never one of its layer or above. A module at the top of megagrpo/ is its own package.
+LAYERS = [
+    ("megagrpo", "dtypes", "config"),  # megagrpo: the package's own __init__
+    ("cluster",),
+    ("sandbox",),
+    ("algorithm",),
+    ("policy",),
+    ("data",),
+    ("rollout",),
+    ("rewards",),
+    ("checkpoints", "planning", "metrics"),
+    ("validation",),
+    ("evaluation", "report"),
+    ("train",),
+    ("cli", "hostfile"),
+]
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "megagrpo"
+
+
+def order_violations(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """'a -> b' for every import that runs against the order of the layers (or names a package
+    that has no layer)."""
+    layer = {package: i for i, names in enumerate(layers) for package in names}
+    found = []
+    for module, imports in sorted(graph.items()):
+        here = package_of(module)
+        if here not in layer:
+            found.append(f"{module}: package '{here}' has no place in LAYERS")
+            continue
+        for target in sorted(imports):
+            there = package_of(target)
+            if there != here and layer.get(there, len(layers)) >= layer[here]:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_imports_keep_the_order_of_the_layers():
+    graph = import_graph()
+    assert {package_of(m) for m in graph} >= {"config", "policy", "rollout", "sandbox", "train"}
+    violations = order_violations(graph)
+    assert not violations, "imports against the layering (docs/architecture.md):\n" + "\n".join(violations)
+
+
+def test_the_order_check_finds_a_back_import():
+    graph = import_graph()
+    graph["megagrpo.config.loading"] = graph["megagrpo.config.loading"] | {"megagrpo.rewards"}
+    assert order_violations(graph) == ["megagrpo.config.loading -> megagrpo.rewards"]
+    assert order_violations({"megagrpo.policy.zero": {"megagrpo.algorithm.loss"}}) == []
+    assert order_violations({"megagrpo.metrics": {"megagrpo.planning"}}) == ["megagrpo.metrics -> megagrpo.planning"]
+    assert order_violations({"megagrpo.newpart": set()}) == ["megagrpo.newpart: package 'newpart' has no place in LAYERS"]
+
+
+def test_no_module_is_large():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    large = {path: n for path, n in sizes.items() if n > 400}
+    assert not large, f"modules over 400 lines (split them by concern): {large}"
+
+
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
-    assert "megagrpo.train" in graph and "megagrpo.engines" in graph["megagrpo.train"]
+    assert "megagrpo.train" in graph and "megagrpo.policy" in graph["megagrpo.train"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -92,7 +156,7 @@ def test_train_loop_has_no_layout_branch():
     text = (PACKAGE / "train.py").read_text()
     branches = [line for line in text.splitlines()
                 if re.search(r"\b(if|elif|else)\b.*(pipeline|pp_size|tp_size|PipelineLoss)", line)]
-    assert not branches, f"layout branches in train.py (they belong to megagrpo/engines): {branches}"
+    assert not branches, f"layout branches in train.py (they belong to megagrpo/policy): {branches}"
     assert "PipelineLoss" not in text and "self.pipeline" not in text
     assert len(text.splitlines()) <= 350
 

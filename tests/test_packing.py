@@ -5,9 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megagrpo.algorithm import grpo
-from megagrpo.engines.logprobs import completion_logprobs, install_logprob_head
-from megagrpo.engines.packing import balanced_microbatches, pack
-from megagrpo.rollout.batch import Completion, make_batch
+from megagrpo.policy.logprobs import completion_logprobs, install_logprob_head
+from megagrpo.policy.packing import balanced_microbatches, pack
+from megagrpo.policy.batch import Completion, make_batch
 
 PATHS = [(True, True), (True, False), (False, True), (False, False)]  # (packing, fused)
 

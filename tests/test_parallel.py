@@ -12,7 +12,7 @@ from conftest import BIN, PYTHON, free_port, run, tiny_overrides
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megagrpo.config.loading import load_config
+from megagrpo.validation import load_config
 from megagrpo.config.schema import ConfigError
 
 COMMON = ["data.eval_file=null", "grpo.max_steps=2", "grpo.learning_rate=1e-4",
@@ -151,7 +151,7 @@ def test_plan_counts_bytes_per_rank(tiny, tmp_path):
                 *tiny_overrides(tiny, tmp_path), "parallel.tensor_parallel_size=2"])
     assert "world 4 = dp 2 x tp 2 x pp 1; ZeRO stage 3" in proc.stdout
     assert "    3        1       2/2         0" in proc.stdout
-    from megagrpo.cluster.plan import count_parameters, make_plan
+    from megagrpo.planning import count_parameters, make_plan
     assert count_parameters(tiny["warm"]) == (sharded + replicated, sharded)
     cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + ["parallel.tensor_parallel_size=2"])
     per_rank = make_plan(cfg, 4).per_rank
@@ -171,8 +171,8 @@ def test_plan_counts_a_3d_stage_and_refuses_what_does_not_fit(tiny, tmp_path):
     only, no weights): 2 ranks of Qwen2.5-1.5B in bf16 with ZeRO-3 do not fit a 24 GiB node,
     and --check-memory says so (exit 3) with the switches that would help; one rank of 0.5B
     does fit."""
-    from megagrpo.cluster.plan import make_plan
-    from megagrpo.engines.pipeline_module import ModelParts
+    from megagrpo.planning import make_plan
+    from megagrpo.policy.pipeline_module import ModelParts
     cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
         "parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2", "deepspeed=configs/ds_zero1.json"])
     plan = make_plan(cfg, 8)

@@ -16,7 +16,7 @@ def test_quickstart_learns(tmp_path):
     line = re.search(r"held-out accuracy: ([\d.]+)% before GRPO -> ([\d.]+)% after", proc.stdout)
     assert line and float(line.group(1)) == round(100 * before, 1)
     assert f"tensorboard --logdir {tmp_path / 'tiny'}/grpo/tensorboard" in proc.stdout
-    # vLLM's expected per-sync reload warnings are filtered (rollout/engines.py), nothing else
+    # vLLM's expected per-sync reload warnings are filtered (rollout/generators.py), nothing else
     assert "Failed to load weights" not in proc.stdout + proc.stderr
     assert "Successfully reset prefix cache" not in proc.stdout + proc.stderr  # vLLM INFO is off by default
 

@@ -111,7 +111,7 @@ def test_report_without_metrics_names_the_fix(tmp_path):
 
 
 def test_report_to_names_are_checked(tiny, tmp_path):
-    from megagrpo.config.loading import load_config
+    from megagrpo.validation import load_config
     from megagrpo.config.schema import ConfigError
     base = tiny_overrides(tiny, tmp_path)
     assert load_config("configs/tiny_arith.yaml", base + ["report_to=none"]).logging.report_to == []

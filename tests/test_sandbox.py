@@ -24,7 +24,7 @@ import warnings
 import pytest
 
 from megagrpo.rewards.code import CodeReward, extract_code
-from megagrpo.rewards.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+from megagrpo.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 from sandbox_host import sandbox_processes, sandbox_processes_after_cleanup  # noqa: E402
@@ -509,7 +509,7 @@ def test_uid_blocks_never_collide(sandbox):
     if os.geteuid() != 0:
         pytest.skip("only root runs executions under uids of their own")
     other = Sandbox(SandboxLimits(**LIMITS), mode="strict")
-    code = ("from megagrpo.rewards.sandbox import Sandbox\nimport sys\n"
+    code = ("from megagrpo.sandbox import Sandbox\nimport sys\n"
             "print(Sandbox(mode='strict').uid_base)\nsys.stdout.flush()\nsys.stdin.read()")
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,20 +1,20 @@
 """The GRPO loss of one micro-batch, and the step statistics it records (StepStats). One
-function serves both engines: the DeepSpeed engine's loop and the last stage of a pipeline
-(engines/pipeline_engine.py's loss_fn), so the two layouts compute the same thing."""
+function serves both policies: the ZeRO policy's loop and the last stage of a pipeline
+(policy/pipeline.py's loss_fn), so the two layouts compute the same thing."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from megagrpo.algorithm import grpo
-from megagrpo.cluster.distributed import all_reduce
 from megagrpo.config.schema import GRPOConfig
 
 
 class StepStats:
-    """Accumulates masked per-token sums and extrema over micro-batches; reduces across ranks."""
+    """Accumulates masked per-token sums and extrema over micro-batches; `reduce` combines them
+    with a reduction the caller passes in (over ranks, or none)."""
 
     def __init__(self):
         self.sums, self.maxes, self.mins = {}, {}, {}
@@ -45,11 +45,13 @@ class StepStats:
         self.maxes[name] = max(self.maxes.get(name, -float("inf")), float(sel.max()))
         self.mins[name] = min(self.mins.get(name, float("inf")), float(sel.min()))
 
-    def reduce(self) -> dict:
+    def reduce(self, all_reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> dict:
+        """Means and extrema; all_reduce(tensor, op) with op "sum", "max" or "min" combines the
+        parts of every rank (megagrpo.cluster.distributed.all_reduce), or is the identity."""
         out = {}
         names = sorted(self.sums)
         if names:
-            sums = all_reduce(torch.tensor([self.sums[n] for n in names], dtype=torch.float64))
+            sums = all_reduce(torch.tensor([self.sums[n] for n in names], dtype=torch.float64), "sum")
             out.update({n: float(s / max(c, 1.0)) for n, (s, c) in zip(names, sums.tolist())})
         for table, op, suffix in ((self.maxes, "max", "max"), (self.mins, "min", "min")):
             keys = sorted(table)

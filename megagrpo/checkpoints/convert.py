@@ -23,7 +23,7 @@ reads:
              reassembled from the ranks' slices, files memory-mapped and re-mapped every
              16 MiB read, one tensor at a time
   pipeline   DeepSpeed's layer_XX[-model_YY]-model_states.pt files, read one layer at a time
-             and named as engines/pipeline_module.py names them (embedding, decoder layers,
+             and named as policy/pipeline_module.py names them (embedding, decoder layers,
              final norm, untied head); with tp, a layer's slices joined as that module splits them
   AutoTP     each model-parallel rank's tensors (read as above), the split ones joined
              along the dimension the model's config says is tp times larger
@@ -50,7 +50,7 @@ from megagrpo.checkpoints.checkpoint import ADAPTER_CONFIG, MARKER
 from megagrpo.checkpoints.safetensors_writer import write_safetensors
 from megagrpo.config.schema import ConfigError
 from megagrpo.dtypes import DTYPES
-from megagrpo.engines import lora
+from megagrpo.policy import lora
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
@@ -150,11 +150,11 @@ def _merge_tensor_parallel(ckpt, info, model, model_files, optim_files):
 
 def _pipeline_tensors(layer_files):
     """Layer files in order: embedding ("weight"), decoder layers ("layer.*"), final norm
-    ("norm.weight"), untied head ("weight"), as engines/pipeline_module.py's stage modules name
+    ("norm.weight"), untied head ("weight"), as policy/pipeline_module.py's stage modules name
     them. A tied head has no file of its own (DeepSpeed saves the tied module with its first
     layer). With tensor parallelism a layer has one file per tp rank (layer_XX-model_YY-...):
     the split tensors are joined along the dimension that pipeline_module splits."""
-    from megagrpo.engines.pipeline_module import tensor_parallel_dim
+    from megagrpo.policy.pipeline_module import tensor_parallel_dim
     by_layer = {}
     for path in layer_files:
         index = int(re.match(r"layer_(\d+)", os.path.basename(path)).group(1))
@@ -263,7 +263,7 @@ def adapter_to_hf(adapter_dir: str, out: str, model: str = None, dtype: str = No
 
 
 def hf_to_pipeline(model: str, out: str, stages: int, dtype: str = None, log=print) -> None:
-    from megagrpo.engines.pipeline_module import ModelParts
+    from megagrpo.policy.pipeline_module import ModelParts
 
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ConvertError(f"{model}: not an HF model folder (no config.json)")

@@ -1,6 +1,6 @@
 """Loading a configuration: the YAML file, TRL-style names, `key.sub=value` overrides, and
-type checking of every value against the schema (schema.py), then validation.py's checks.
-Every error names the key, the value and the fix."""
+type checking of every value against the schema (schema.py). The checks of the values come
+after, from megagrpo/validation.py. Every error names the key, the value and the fix."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,6 @@ from typing import Any, Literal, Optional
 import yaml
 
 from megagrpo.config.schema import ALIASES, Config, ConfigError
-from megagrpo.config.validation import validate
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -151,10 +150,9 @@ def _build(cls, raw: Any, path: str):
     return cls(**kwargs)
 
 
-def load_config(path: Optional[str], overrides: list[str] = (), training: bool = True,
-                planning: bool = False) -> Config:
-    """Read a YAML file, apply `key.sub=value` overrides, build and validate the Config
-    (training=False: for `megagrpo eval`, which needs no reward function)."""
+def read_config(path: Optional[str], overrides: list[str] = ()) -> Config:
+    """Read a YAML file, apply `key.sub=value` overrides and build the Config, every value
+    type-checked; megagrpo.validation.load_config also checks the values."""
     raw: dict = {}
     if path:
         if not os.path.isfile(path):
@@ -169,9 +167,7 @@ def load_config(path: Optional[str], overrides: list[str] = (), training: bool =
     raw = _apply_aliases(raw)
     for text in overrides:
         _set_dotted(raw, *_canonical(*parse_override(text)))
-    cfg = _build(Config, raw, "")
-    validate(cfg, training, planning)
-    return cfg
+    return _build(Config, raw, "")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -1,24 +1,18 @@
-"""Checks of a built Config, before any model is built: ranges, files, divisibility. Rules
-that belong to a part of the system live beside it and are called from here: the parallel
-layout's in cluster/plan.py, reward names in the reward registry (rewards/__init__.py), the
-multi-turn settings beside the tools (rollout/tools.py)."""
+"""The configuration's own checks, before any model is built: ranges, files, divisibility, the
+objective's options. Rules that belong to a part of the system live beside it (the layout in
+planning.py, LoRA in policy/lora.py, reward names in rewards/, tools in rollout/tools.py);
+megagrpo/validation.py calls them all."""
 from __future__ import annotations
 
 import json
 import os
 import sys
 
-from megagrpo.cluster.plan import check_layout
 from megagrpo.config.schema import Config, ConfigError, require
-from megagrpo.engines.lora import check_lora
-from megagrpo.metrics import report_sinks
-from megagrpo.rewards import check_reward_names
-from megagrpo.rollout.tools import check_tools
 
 
-def validate(cfg: Config, training: bool = True, planning: bool = False) -> None:
+def check_config(cfg: Config, training: bool = True, planning: bool = False) -> None:
     """Ranges, divisibility and files; relative paths are taken from the working directory.
-    The layout rules are checked by cluster/plan.py, reward names by the reward registry.
     planning (a dry run, `megagrpo plan`): data files not prepared yet are a warning."""
     g = cfg.grpo
     require(bool(cfg.model.name_or_path),
@@ -58,8 +52,6 @@ def validate(cfg: Config, training: bool = True, planning: bool = False) -> None
     require(g.importance_sampling_cap >= 1,
             f"grpo.importance_sampling_cap: {g.importance_sampling_cap} must be >= 1")
     check_objective(g)
-    check_lora(cfg)
-    cfg.logging.report_to = report_sinks(cfg.logging.report_to)
     require(cfg.rollout.temperature > 0,
             f"rollout.temperature: {cfg.rollout.temperature} must be > 0 for sampling")
     require(0 < cfg.rollout.top_p <= 1, f"rollout.top_p: {cfg.rollout.top_p} must be in (0, 1]")
@@ -88,8 +80,6 @@ def validate(cfg: Config, training: bool = True, planning: bool = False) -> None
     require(len(cfg.rewards.functions) > 0 or not training,
             "rewards.functions is empty: add at least one, e.g. "
             "[{name: answer_match, weight: 1.0}]")
-    check_reward_names(cfg.rewards.functions)
-    check_tools(cfg)
     require(not any(fn.name == "environment" for fn in cfg.rewards.functions) or bool(cfg.rollout.environment),
             "rewards.functions: the 'environment' reward reads the get_reward() of rollout.environment, "
             "which is not set; set rollout.environment=module:Class or remove the reward")
@@ -105,7 +95,6 @@ def validate(cfg: Config, training: bool = True, planning: bool = False) -> None
     else:
         require(isinstance(cfg.deepspeed, dict),
                  f"deepspeed: expected a path or a mapping, got {cfg.deepspeed!r}")
-    check_layout(cfg)
     require(cfg.checkpoint.resume in ("auto", "none") or os.path.isdir(cfg.checkpoint.resume),
             f"checkpoint.resume: '{cfg.checkpoint.resume}' is not auto, none or an existing "
             "checkpoint folder")

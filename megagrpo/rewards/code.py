@@ -23,7 +23,7 @@ import threading
 
 from megagrpo.rewards import Scores
 from megagrpo.rewards.judge import Judge, Verdict
-from megagrpo.rewards.sandbox import STATUSES, Sandbox, SandboxLimits, SandboxPool
+from megagrpo.sandbox import STATUSES, Sandbox, SandboxLimits, SandboxPool
 
 _FENCE_PYTHON = r"```(?:python|py|python3)[^\n]*\n(.*?)```"
 _FENCE_ANY = r"```[^\n]*\n(.*?)```"

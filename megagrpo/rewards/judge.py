@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megagrpo.rewards.harness import wire
-from megagrpo.rewards.sandbox import Sandbox, SandboxProcess, communicate
+from megagrpo.sandbox import Sandbox, SandboxProcess, communicate
 
 HARNESS = Path(__file__).parent / "harness"
 SOURCES = {name: (HARNESS / f"{name}.py").read_text() for name in ("wire", "trusted", "solution")}

@@ -43,7 +43,7 @@ class RewardModel:
         if config is not None:
             from megagrpo.config.deepspeed_json import zero_stage
             from megagrpo.dtypes import DTYPES
-            from megagrpo.engines.models import deepspeed_config
+            from megagrpo.policy.models import deepspeed_config
             dtype = DTYPES[config.model.dtype]
             ds_config = deepspeed_config(config)
             stage = zero_stage(ds_config)

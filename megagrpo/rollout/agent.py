@@ -5,7 +5,7 @@ A trajectory is one token sequence after its prompt: per turn the tokens the eng
 them. Sampled tokens are taken as the engine returned them and never re-encoded: a turn is
 decoded only to parse its tool calls and to show it to the rewards; only the inserted tool
 messages are tokenised. `model_mask` marks the sampled tokens, and the loss, KL, entropy and
-importance sampling cover those only (rollout/batch.py).
+importance sampling cover those only (policy/batch.py).
 
 Each turn, all live trajectories of the step go to the engine together (prefix caching on); a
 trajectory ends at a turn without a tool call ("answer"), at rollout.max_turns ("max_turns"),
@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from megagrpo.config.schema import max_sequence_length
-from megagrpo.rollout.batch import Completion
+from megagrpo.policy.batch import Completion
 from megagrpo.rollout.tools import ERROR_KINDS, ToolRunner, Toolset, resolve_parser
 
 ENDINGS = ("answer", "max_turns", "budget")

@@ -2,7 +2,7 @@
 
 A tool is a name, a JSON schema (what the chat template shows the model) and a call that takes
 the call's arguments and returns text. Three kinds (rollout.tools, rollout.environment):
-- `python` (built-in): runs the call's `code` in the sandbox (rewards/sandbox.py: bubblewrap,
+- `python` (built-in): runs the call's `code` in the sandbox (sandbox/__init__.py: bubblewrap,
   seccomp, rlimits, a timeout) and returns its stdout, or its error;
 - a function by dotted path `module:function`: its schema comes from its type hints and its
   docstring (transformers' `get_json_schema`); it runs in this process, on a thread, with a
@@ -140,10 +140,10 @@ PYTHON_SCHEMA = {"type": "function", "function": {
 
 
 class PythonTool:
-    """The built-in `python` tool: each call is a fresh sandboxed program (rewards/sandbox.py)."""
+    """The built-in `python` tool: each call is a fresh sandboxed program (sandbox/__init__.py)."""
 
     def __init__(self, args: dict, workers: int):
-        from megagrpo.rewards.sandbox import Sandbox, SandboxLimits
+        from megagrpo.sandbox import Sandbox, SandboxLimits
         args = dict(args)
         mode = args.pop("mode", "auto")
         known = set(SandboxLimits.__dataclass_fields__)

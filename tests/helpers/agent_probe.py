@@ -19,9 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import agent_tools
 
 from megagrpo.cluster.distributed import init_distributed
-from megagrpo.config.loading import load_config
-from megagrpo.rollout.batch import make_batch
-from megagrpo.rollout.engines import sampling_seed
+from megagrpo.validation import load_config
+from megagrpo.policy.batch import make_batch
+from megagrpo.rollout.generators import sampling_seed
 from megagrpo.train import Trainer, parse_args
 
 

@@ -17,10 +17,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megagrpo.cluster.distributed import init_distributed
-from megagrpo.config.loading import load_config
+from megagrpo.validation import load_config
 from megagrpo.dtypes import DTYPES
-from megagrpo.engines.logprobs import completion_logprobs, install_logprob_head
-from megagrpo.rollout.batch import Completion, make_batch
+from megagrpo.policy.logprobs import completion_logprobs, install_logprob_head
+from megagrpo.policy.batch import Completion, make_batch
 from megagrpo.rollout.weight_sync import sync_weights
 from megagrpo.train import Trainer, parse_args
 

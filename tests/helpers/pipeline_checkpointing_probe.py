@@ -13,8 +13,8 @@ import deepspeed
 import torch
 
 from megagrpo.cluster.topology import Topology
-from megagrpo.config.loading import load_config
-from megagrpo.engines.pipeline_module import build_pipeline_module
+from megagrpo.validation import load_config
+from megagrpo.policy.pipeline_module import build_pipeline_module
 
 
 def main():
@@ -34,7 +34,7 @@ def main():
             "deepspeed=configs/ds_zero0.json", "model.dtype=float32",
             f"model.gradient_checkpointing={str(checkpointing).lower()}"])
         module = build_pipeline_module(cfg, "sdpa", Topology(world_size=1, rank=0, local_rank=0), None)
-        module._precompute_checkpointable_values()  # what DeepSpeed's PipelineEngine does
+        module._precompute_checkpointable_values()  # what DeepSpeed's PipelinePolicy does
         if checkpointing:
             inner = module.activation_checkpoint_func
             module.activation_checkpoint_func = lambda fn, *a: (calls.append(1), inner(fn, *a))[1]

@@ -10,7 +10,7 @@ import deepspeed
 import torch
 
 from megagrpo.cluster.distributed import init_distributed
-from megagrpo.config.loading import load_config
+from megagrpo.validation import load_config
 from megagrpo.train import Trainer, parse_args
 
 

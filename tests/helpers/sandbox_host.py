@@ -9,8 +9,8 @@ this user's uid and are found by the label on their command line.
 import os
 import time
 
-from megagrpo.rewards.cgroups import own_cgroup_paths
-from megagrpo.rewards.sandbox import (
+from megagrpo.sandbox.cgroups import own_cgroup_paths
+from megagrpo.sandbox import (
     EXECUTION_LABEL,
     LONG_LIVED_LABEL,
     LONG_LIVED_UIDS,

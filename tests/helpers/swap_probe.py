@@ -9,9 +9,9 @@ import os
 import torch
 
 from megagrpo.cluster.distributed import init_distributed
-from megagrpo.config.loading import load_config
-from megagrpo.engines.logprobs import completion_logprobs
-from megagrpo.rollout.batch import Completion, make_batch
+from megagrpo.validation import load_config
+from megagrpo.policy.logprobs import completion_logprobs
+from megagrpo.policy.batch import Completion, make_batch
 from megagrpo.train import Trainer, parse_args
 
 # The fixed completion: its tokens under the run's tokenizer, then EOS. The probe writes the text

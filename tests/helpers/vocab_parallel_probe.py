@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.cluster.distributed import release_shm_allreduce_name
-from megagrpo.engines.fused_logprobs import fused_token_logprobs, naive_token_logprobs
+from megagrpo.policy.fused_logprobs import fused_token_logprobs, naive_token_logprobs
 
 
 def parse_args(argv=None):

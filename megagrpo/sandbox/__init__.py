@@ -57,8 +57,8 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from megagrpo.rewards import seccomp
-from megagrpo.rewards.cgroups import Cgroup, ExecutionCgroups
+from megagrpo.sandbox import seccomp
+from megagrpo.sandbox.cgroups import Cgroup, ExecutionCgroups
 
 # Every execution ends in exactly one of these (fixed, so ranks can reduce counts of them).
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "sandbox_error")

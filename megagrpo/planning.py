@@ -34,7 +34,7 @@ import torch
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.deepspeed_json import zero_stage
 from megagrpo.config.schema import Config, ConfigError, max_sequence_length, require
-from megagrpo.engines.lora import count_trained_parameters
+from megagrpo.policy.lora import count_trained_parameters
 
 BYTES = {"float32": (4, 4, 12), "bfloat16": (2, 2, 12)}
 
@@ -90,7 +90,7 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     total, sharded = count_parameters(cfg.model.name_or_path)
     local = sharded // tp + (total - sharded)  # one rank's share before ZeRO
     if pp > 1:  # the largest stage (DeepSpeed's partition by parameters)
-        from megagrpo.engines.pipeline_module import ModelParts
+        from megagrpo.policy.pipeline_module import ModelParts
         local = max(ModelParts(cfg.model.name_or_path, torch.float32, "sdpa").stage_parameters(pp, tp))
     lora = cfg.model.lora.r > 0
     trained = count_trained_parameters(cfg.model.name_or_path, cfg.model.lora) if lora else local

@@ -4,7 +4,7 @@ Every rank runs the same micro-batches through `deepspeed.initialize`'s engine: 
 fused log-prob head, logprobs.py), the GRPO loss (algorithm/loss.py), backward with gradient
 accumulation, one optimizer step per pass. The reference is a ZeRO-3 inference engine (no
 optimizer state) when the policy uses ZeRO-3, else a plain eval module; for a LoRA policy
-(engines/lora.py) it is the policy itself with its adapters disabled.
+(policy/lora.py) it is the policy itself with its adapters disabled.
 """
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from megagrpo.algorithm.loss import LossInputs, micro_batch_loss
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.deepspeed_json import zero_stage
 from megagrpo.config.schema import Config
-from megagrpo.engines import lora
-from megagrpo.engines.base import PolicyEngine
-from megagrpo.engines.logprobs import completion_logprobs
-from megagrpo.engines.models import deepspeed_config, inference_config, initialize, load_model
-from megagrpo.rollout.batch import RolloutBatch
-from megagrpo.rollout.weight_sync import named_full_tensors
+from megagrpo.policy import lora
+from megagrpo.policy.base import Policy
+from megagrpo.policy.logprobs import completion_logprobs
+from megagrpo.policy.models import deepspeed_config, inference_config, initialize, load_model
+from megagrpo.policy.batch import RolloutBatch
+from megagrpo.policy.weight_gather import named_full_tensors
 
 
-class DeepSpeedEngine(PolicyEngine):
+class ZeroPolicy(Policy):
     def __init__(self, cfg: Config, topology: Topology, total_steps: int):
         super().__init__(cfg, topology)
         self.ds_config = deepspeed_config(cfg)

@@ -34,8 +34,8 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megagrpo.dtypes import DTYPES
-from megagrpo.engines.fused_logprobs import fused_token_logprobs, logprobs_from_logits
-from megagrpo.rollout.weight_sync import tensor_parallel_gather
+from megagrpo.policy.fused_logprobs import fused_token_logprobs, logprobs_from_logits
+from megagrpo.policy.weight_gather import tensor_parallel_gather
 
 
 class SafetensorsSource:

@@ -18,7 +18,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from megagrpo.config.deepspeed_json import read_deepspeed_config, zero_stage
 from megagrpo.config.schema import Config
 from megagrpo.dtypes import DTYPES
-from megagrpo.engines.logprobs import install_logprob_head
+from megagrpo.policy.logprobs import install_logprob_head
 
 
 def load_tokenizer(path: str):

@@ -1,13 +1,13 @@
 """What the trainer asks of the policy, whatever the parallel layout.
 
-    engine = build_engine(cfg, topology, total_steps)      # megagrpo.engines
+    engine = build_policy(cfg, topology, total_steps)      # megagrpo.policy
     micro_batches = engine.micro_batches(batch)            # rows per micro-batch, same count on every rank
     batch.ref_logp = engine.logprobs(batch, micro_batches, reference=True)
     metrics = engine.optimize(batch, micro_batches)        # num_iterations passes, one step each
     for name, tensor in engine.full_tensors(): ...         # whole HF tensors (weight sync, export)
 
-Two implementations: DeepSpeedEngine (deepspeed_engine.py: ZeRO 0-3, AutoTP) and
-PipelineEngine (pipeline_engine.py: DeepSpeed PipelineModule). What they share lives here:
+Two implementations: ZeroPolicy (deepspeed_engine.py: ZeRO 0-3, AutoTP) and
+PipelinePolicy (pipeline_engine.py: DeepSpeed PipelineModule). What they share lives here:
 micro-batching, the loss normalisers and the step's statistics.
 """
 from __future__ import annotations
@@ -20,11 +20,11 @@ from megagrpo.algorithm.loss import StepStats, declare_stats
 from megagrpo.cluster.distributed import all_reduce
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import Config
-from megagrpo.engines.packing import balanced_microbatches
-from megagrpo.rollout.batch import RolloutBatch
+from megagrpo.policy.packing import balanced_microbatches
+from megagrpo.policy.batch import RolloutBatch
 
 
-class PolicyEngine:
+class Policy:
     """The policy (a DeepSpeed engine in `self.policy`) and its frozen reference."""
 
     policy = None
@@ -136,7 +136,7 @@ class PolicyEngine:
         """The statistics reduced over the ranks. DeepSpeed averages gradients over dp ranks:
         the step's loss is the mean of the ranks' sums over `loss_group` (the ranks that hold
         a copy of the loss), per pass."""
-        out = stats.reduce()
+        out = stats.reduce(all_reduce)
         loss = float(all_reduce(torch.tensor([stats.loss]), group=loss_group)[0])
         out["loss"] = loss / self.topo.dp_size / self.g.num_iterations
         out.pop("sampling/sampling_logp_difference/min", None)

@@ -5,8 +5,8 @@ Both engines have the same interface:
     load_weights(named_tensors, partial=False)   # (HF name, tensor) stream; no restart, no disk
     sleep() / wake_up()           # free accelerator memory while the trainer runs
 
-`VLLMEngine` runs vLLM inside this training process (external_launcher executor, created
-after the job's process group). `HFEngine` runs transformers' generate on its own copy of the
+`VLLMGenerator` runs vLLM inside this training process (external_launcher executor, created
+after the job's process group). `HFGenerator` runs transformers' generate on its own copy of the
 model: the fallback, and the correctness reference for the vLLM path.
 Sampler logprobs are log-softmax(logits / temperature) of the sampled token, as the trainer
 computes them (vLLM's processed_logprobs).
@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 
 from megagrpo.config.schema import Config, max_sequence_length
-from megagrpo.rollout.batch import Completion
+from megagrpo.policy.batch import Completion
 
 
 def sampling_seed(seed: int, step: int, prompt_index: int, sampling_round: int = 0) -> int:
@@ -43,7 +43,7 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-class VLLMEngine:
+class VLLMGenerator:
     def __init__(self, cfg: Config, model_path: str, seed: int):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
@@ -163,12 +163,12 @@ def _refresh_tied_lm_head(worker) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-class HFEngine:
+class HFGenerator:
     def __init__(self, cfg: Config, model_path: str, seed: int):
         from transformers import AutoModelForCausalLM
 
         from megagrpo.dtypes import DTYPES
-        from megagrpo.engines.models import load_tokenizer
+        from megagrpo.policy.models import load_tokenizer
 
         self.cfg = cfg.rollout
         device = f"cuda:{torch.cuda.current_device()}" if _on_gpu() else "cpu"
@@ -239,6 +239,6 @@ class HFEngine:
         pass
 
 
-def build_rollout_engine(cfg: Config, seed: int):
-    engine_class = {"vllm": VLLMEngine, "hf": HFEngine}[cfg.rollout.engine]
+def build_generator(cfg: Config, seed: int):
+    engine_class = {"vllm": VLLMGenerator, "hf": HFGenerator}[cfg.rollout.engine]
     return engine_class(cfg, cfg.model.name_or_path, seed)

@@ -18,14 +18,14 @@ import torch.distributed as dist
 from megagrpo.algorithm.loss import LossInputs, StepStats, micro_batch_loss
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import Config, GRPOConfig
-from megagrpo.engines.base import PolicyEngine
-from megagrpo.engines.models import attention_implementation, deepspeed_config, inference_config, initialize
-from megagrpo.engines.packing import pack
-from megagrpo.engines.pipeline_module import build_pipeline_module, gather_to_first_stage
-from megagrpo.rollout.batch import RolloutBatch
+from megagrpo.policy.base import Policy
+from megagrpo.policy.models import attention_implementation, deepspeed_config, inference_config, initialize
+from megagrpo.policy.packing import pack
+from megagrpo.policy.pipeline_module import build_pipeline_module, gather_to_first_stage
+from megagrpo.policy.batch import RolloutBatch
 
 
-class PipelineEngine(PolicyEngine):
+class PipelinePolicy(Policy):
     def __init__(self, cfg: Config, topology: Topology, total_steps: int):
         super().__init__(cfg, topology)
         ds_config = deepspeed_config(cfg)

@@ -196,7 +196,7 @@ def merged_full_tensors(model: torch.nn.Module, bucket_mb: int = 256,
     trained copy of a module to save, the base weight elsewhere. ZeRO-3 partitions are
     gathered per bucket (collective: every rank iterates to the end). adapted_only: the
     adapted layers, their linear siblings and the modules to save only."""
-    from megagrpo.rollout.weight_sync import stream_units
+    from megagrpo.policy.weight_gather import stream_units
     return stream_units(_units(model, adapted_only), bucket_mb)
 
 

@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megagrpo.engines.fused_logprobs import fused_token_logprobs, logprobs_from_logits
-from megagrpo.engines.packing import pack
+from megagrpo.policy.fused_logprobs import fused_token_logprobs, logprobs_from_logits
+from megagrpo.policy.packing import pack
 
 
 class LogprobHead(torch.nn.Module):

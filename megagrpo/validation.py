@@ -1,0 +1,34 @@
+"""A whole configuration checked before anything is built, and the loader that every entry
+point uses. Each part of the system keeps its own rules beside its code; this calls them in
+order, so that config/ itself imports nothing above it."""
+from __future__ import annotations
+
+from typing import Optional
+
+from megagrpo.config.loading import read_config
+from megagrpo.config.schema import Config
+from megagrpo.config.validation import check_config
+from megagrpo.metrics import report_sinks
+from megagrpo.planning import check_layout
+from megagrpo.policy.lora import check_lora
+from megagrpo.rewards import check_reward_names
+from megagrpo.rollout.tools import check_tools
+
+
+def validate(cfg: Config, training: bool = True, planning: bool = False) -> None:
+    """Every rule, config's own first (training=False: `megagrpo eval`, which needs no reward
+    function; planning: a dry run, where data files not prepared yet are a warning)."""
+    check_config(cfg, training, planning)
+    check_lora(cfg)
+    cfg.logging.report_to = report_sinks(cfg.logging.report_to)
+    check_reward_names(cfg.rewards.functions)
+    check_tools(cfg)
+    check_layout(cfg)
+
+
+def load_config(path: Optional[str], overrides: list[str] = (), training: bool = True,
+                planning: bool = False) -> Config:
+    """Read the YAML and the `key.sub=value` overrides (config/loading.py) and validate."""
+    cfg = read_config(path, overrides)
+    validate(cfg, training, planning)
+    return cfg
