@@ -46,8 +46,8 @@ def save_and_load(model_dir, ckpt_root):
 
     from megagrpo.checkpoints import checkpoint
     from megagrpo.cluster.distributed import init_distributed
-    from megagrpo.validation import load_config
     from megagrpo.policy import build_policy
+    from megagrpo.validation import load_config
 
     topology = init_distributed()
     data = os.path.join(ckpt_root, "data.jsonl")
@@ -56,14 +56,15 @@ def save_and_load(model_dir, ckpt_root):
     cfg = load_config(os.path.join(ROOT, "configs/tiny_arith.yaml"), [
         f"model.name_or_path={model_dir}", f"data.train_file={data}", "data.eval_file=null",
         "model.dtype=float32", "grpo.kl_coef=0"])
-    engine = build_policy(cfg, topology, total_steps=10).policy
+    policy = build_policy(cfg, topology, total_steps=10)
+    engine = policy.engine
     loss = engine(input_ids=torch.tensor([[1, 2, 3, 4]])).logits.float().mean()
     engine.backward(loss)  # one step, so that the optimizer state (Adam moments) exists
     engine.step()
     start = time.perf_counter()
     state = checkpoint.TrainerState(step=1, sampler={}, world_size=1, dp_size=1, num_prompts=8, total_steps=10,
                                     prompts_per_step=1, model=model_dir)
-    path = checkpoint.save(engine, ckpt_root, state, 2, True, 0)
+    path = checkpoint.save(policy, ckpt_root, state, 2, topology)
     save_s = time.perf_counter() - start
     start = time.perf_counter()
     checkpoint.load(engine, path, 0)

@@ -57,31 +57,31 @@ def probe(model, out_dir, rank):
     cfg.deepspeed = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 10**6, "allgather_bucket_size": 10**6,
                                            "stage3_prefetch_bucket_size": 10**6,
                                            "stage3_param_persistence_threshold": 0, "contiguous_gradients": False}}
-    engine = build_policy(cfg, topology, total_steps=10)
+    policy = build_policy(cfg, topology, total_steps=10)
     per_rank = SEQUENCES // topology.dp_size
     gen = torch.Generator().manual_seed(topology.dp_rank)
-    vocab = engine.policy.module.config.vocab_size
+    vocab = policy.engine.module.config.vocab_size
     prompts = [torch.randint(3, vocab, (32,), generator=gen).tolist() for _ in range(per_rank)]
     completions = [Completion(torch.randint(3, vocab, (LENGTH - 32,), generator=gen).tolist(),
                               [0.0] * (LENGTH - 32), False) for _ in range(per_rank)]
     batch = make_batch(prompts, completions, torch.randn(per_rank, generator=gen), pad_id=0)
     reference_s, update_s = [], []
     for _ in range(STEPS):
-        micro_batches = engine.micro_batches(batch)
+        micro_batches = policy.micro_batches(batch)
         start = time.perf_counter()
-        batch.ref_logp = engine.logprobs(batch, micro_batches, reference=True)
+        batch.ref_logp = policy.logprobs(batch, micro_batches, reference=True)
         reference_s.append(time.perf_counter() - start)
         start = time.perf_counter()
-        engine.optimize(batch, micro_batches)
+        policy.optimize(batch, micro_batches)
         update_s.append(time.perf_counter() - start)
     state = live_tensor_bytes() - before
     rollout = VLLMGenerator(cfg, model, seed=0)
     sync = {}
     for kind, changed_only in (("all", False), ("changed", True)):
-        times = [sync_weights(engine.full_tensors(changed_only=changed_only), rollout, partial=changed_only)
+        times = [sync_weights(policy.full_tensors(changed_only=changed_only), rollout, partial=changed_only)
                  for _ in range(3)]
         sync[kind] = min(times[1:])
-    sent = {kind: sum(t.numel() for _, t in engine.full_tensors(changed_only=flag))
+    sent = {kind: sum(t.numel() for _, t in policy.full_tensors(changed_only=flag))
             for kind, flag in (("all", False), ("changed", True))}
     with open(os.path.join(out_dir, f"rank{topology.rank}.json"), "w") as f:
         json.dump({"state_bytes": state, "reference_s": min(reference_s[1:]), "update_s": min(update_s[1:]),
@@ -123,7 +123,8 @@ def main():
             os.environ["WORLD_SIZE"] = "2"
             plan = make_plan(_config(model, os.path.join(out, "data.jsonl"), rank), 2)
             rows.append({"model": name, "policy": policy, "params": plan.params_total, "trained": plan.params_trained,
-                         "planned_bytes": sum(plan.per_rank[k] for k in ("params", "grads", "optimizer", "reference")),
+                         "planned_bytes": sum(plan.bytes_per_rank[k]
+                                              for k in ("params", "grads", "optimizer", "reference")),
                          **{k: max(m[k] for m in measured) for k in measured[0]}})
     print(f"\n{'model':<17}{'policy':<9}{'trained':>10}{'state MiB':>11}{'plan MiB':>10}{'vs full':>8}"
           f"{'ref s':>7}{'update s':>9}{'vs full':>8}{'sync all s':>11}{'sync changed s':>15}{'changed/all':>12}")

@@ -22,9 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megagrpo.algorithm import grpo  # noqa: E402
+from megagrpo.policy.batch import Completion, make_batch
 from megagrpo.policy.logprobs import completion_logprobs, install_logprob_head  # noqa: E402
 from megagrpo.policy.packing import balanced_microbatches  # noqa: E402
-from megagrpo.policy.batch import Completion, make_batch
 
 
 def skewed_lengths(n, low, high, seed):
@@ -35,7 +35,7 @@ def skewed_lengths(n, low, high, seed):
 
 def step(model, batch, groups, packing):
     normalisers = {"num_sequences": len(batch), "num_tokens": float(batch.completion_mask.sum()),
-                   "max_completion_length": 1024}
+                   "max_sampled_tokens": 1024}
     start = time.perf_counter()
     for rows in groups:
         mb = batch.select(rows)

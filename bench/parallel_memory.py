@@ -71,10 +71,10 @@ def probe(model, out_dir, tp, pp, stage):
                                            "stage3_prefetch_bucket_size": 10**6,
                                            "stage3_param_persistence_threshold": 0,
                                            "contiguous_gradients": False}}
-    engine = build_policy(cfg, topology, total_steps=10)
+    policy = build_policy(cfg, topology, total_steps=10)
     per_rank = GLOBAL_SEQUENCES // topology.dp_size
     gen = torch.Generator().manual_seed(topology.dp_rank)
-    vocab = engine.policy.module.config.vocab_size
+    vocab = policy.engine.module.config.vocab_size
     prompts = [torch.randint(3, vocab, (32,), generator=gen).tolist() for _ in range(per_rank)]
     completions = [Completion(torch.randint(3, vocab, (SEQUENCE_LENGTH - 32,), generator=gen).tolist(),
                               [0.0] * (SEQUENCE_LENGTH - 32), False) for _ in range(per_rank)]
@@ -82,7 +82,7 @@ def probe(model, out_dir, tp, pp, stage):
     times = []
     for _ in range(3):
         start = time.perf_counter()
-        engine.optimize(batch, engine.micro_batches(batch))  # the GRPO update, whatever the layout
+        policy.optimize(batch, policy.micro_batches(batch))  # the GRPO update, whatever the layout
         times.append(time.perf_counter() - start)
     after = live_tensor_bytes()
     with open(os.path.join(out_dir, f"rank{topology.rank}.json"), "w") as f:
@@ -121,7 +121,7 @@ def main():
         measured = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(ranks)]
         os.environ["WORLD_SIZE"] = str(ranks)
         cfg = _config(model, os.path.join(out, "data.jsonl"), tp, pp, stage)
-        plan = make_plan(cfg, ranks).per_rank
+        plan = make_plan(cfg, ranks).bytes_per_rank
         estimate = plan["params"] + plan["grads"] + plan["optimizer"]
         state = max(m["state_bytes"] for m in measured)
         rows.append({"layout": name, "ranks": ranks, "tp": tp, "pp": pp, "zero": stage, "measured_bytes": state,

@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megagrpo.cluster.distributed import init_distributed  # noqa: E402
 from megagrpo.config.schema import Config, ModelConfig, RolloutConfig  # noqa: E402
-from megagrpo.rollout.generators import VLLMGenerator  # noqa: E402
 from megagrpo.policy.weight_gather import named_full_tensors  # noqa: E402
+from megagrpo.rollout.generators import VLLMGenerator  # noqa: E402
 from megagrpo.rollout.weight_sync import sync_weights  # noqa: E402
 
 

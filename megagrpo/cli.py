@@ -27,9 +27,9 @@ commands:
 
 
 def validate_command(argv) -> int:
-    from megagrpo.validation import load_config
     from megagrpo.config.loading import to_dict
     from megagrpo.config.schema import ConfigError
+    from megagrpo.validation import load_config
 
     p = argparse.ArgumentParser(prog="megagrpo validate",
                                 description="Check a config (and overrides); print the result.")
@@ -49,9 +49,9 @@ def validate_command(argv) -> int:
 def plan_command(argv) -> int:
     import os
 
+    from megagrpo.config.schema import ConfigError
     from megagrpo.planning import format_plan, make_plan, memory_verdict, node_memory_bytes
     from megagrpo.validation import load_config
-    from megagrpo.config.schema import ConfigError
 
     p = argparse.ArgumentParser(prog="megagrpo plan",
                                 description="Print the layout and the memory each rank will hold at its peak; "

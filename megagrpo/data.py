@@ -124,13 +124,13 @@ class PromptSampler:
 
     def __init__(self, num_prompts: int, prompts_per_rank: int, dp_rank: int, dp_size: int,
                  seed: int, shuffle: bool = True):
-        self.num_prompts, self.per_rank = num_prompts, prompts_per_rank
+        self.num_prompts, self.prompts_per_rank = num_prompts, prompts_per_rank
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle = seed, shuffle
-        self.global_batch = prompts_per_rank * dp_size
-        self.steps_per_epoch = num_prompts // self.global_batch
+        self.prompts_per_step = prompts_per_rank * dp_size
+        self.steps_per_epoch = num_prompts // self.prompts_per_step
         if self.steps_per_epoch == 0:
-            raise DataError(f"{num_prompts} prompts cannot fill one step of {self.global_batch} "
+            raise DataError(f"{num_prompts} prompts cannot fill one step of {self.prompts_per_step} "
                             f"prompts ({prompts_per_rank} per rank x {dp_size} ranks); add data or "
                             "lower the batch size")
         self.epoch, self.position = 0, 0
@@ -145,9 +145,9 @@ class PromptSampler:
         """This rank's prompt indices for the next step; advances the state."""
         if self.position >= self.steps_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
-        start = self.position * self.global_batch + self.dp_rank * self.per_rank
+        start = self.position * self.prompts_per_step + self.dp_rank * self.prompts_per_rank
         self.position += 1
-        return self._order(self.epoch)[start:start + self.per_rank]
+        return self._order(self.epoch)[start:start + self.prompts_per_rank]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}

@@ -1,7 +1,7 @@
 """Evaluation on a held-out set: during training (`logging.eval_steps`, before and after) and
 as `megagrpo eval --model PATH --data FILE`.
 
-Per held-out prompt the rollout engine (the same vLLM or transformers engine as training)
+Per held-out prompt the generator (the same vLLM or transformers engine as training)
 writes `logging.eval_num_generations` completions (greedy when 1, sampled otherwise); then:
 
 - reward: mean of the weighted reward, and `rewards/<fn>` per function, over all completions
@@ -10,9 +10,9 @@ writes `logging.eval_num_generations` completions (greedy when 1, sampled otherw
   its `pass_threshold`; a function without one gets pass@k only when all its rewards are 0 or
   1 (a continuous reward's pass@1 of 0.000 would read as a failure)
 - bleu (sacrebleu corpus BLEU / 100, on ROUGE's 0-1 scale), rouge1/rouge2/rougeL (rouge-score
-  F1, stemmed), on the first completion of each row that has a reference (`data.reference_field`)
-- perplexity: exp(mean negative log-likelihood per token) of the references given their
-  prompts, under the model being evaluated (the rollout engine scores them)
+  F1, stemmed), on the first completion of each row that has a target text (`data.target_field`)
+- perplexity: exp(mean negative log-likelihood per token) of the target texts given their
+  prompts, under the model being evaluated (the generator scores them)
 - distinct_1/2/3: distinct n-grams / all n-grams over all completions (whitespace tokens)
 
 Results go to TensorBoard (`eval/*`) and JSON, and every completion with its scores and
@@ -34,8 +34,7 @@ from typing import Optional
 
 import torch
 
-from megagrpo.rewards import compute_rewards
-from megagrpo.rollout.agent import answer_texts, completion_fields
+from megagrpo.rollout.agent import Trajectory
 from megagrpo.rollout.generators import EVAL_STEP, sampling_seed
 
 # ---- metrics (pure functions of texts and counts) ----------------------------------------------
@@ -94,46 +93,54 @@ def perplexity(logprob_sums: list[float], token_counts: list[int]) -> float:
 
 # ---- generation and scoring ---------------------------------------------------------------------
 
-def score_prompts(prompts, indices: list[int], generate, score, tokenizer, reward_functions,
-                  field_names: list[str], num_generations: int, reference_field: str,
-                  max_new_tokens: int, seed: int) -> list[dict]:
-    """Records of this rank's held-out prompts: completions, rewards, reasons and reference
-    log-likelihood. `generate(prompts, n, seeds, greedy)` samples from data.Prompts (the
-    trainer's, which shares samples within a model group); `score(token_ids, prompt_len)`
-    gives the log-probs of the tail (None: no perplexity). compute_rewards runs even with no
-    prompts, since a reward model's forward passes are collective."""
-    n = num_generations
-    groups = generate(prompts, n=n, seeds=[sampling_seed(seed, EVAL_STEP, i) for i in indices],
+def score_prompts(stack, prompts, indices: list[int], field_names: list[str], generate,
+                  score_tokens) -> list[dict]:
+    """Records of this rank's held-out prompts (stack: stack.RolloutStack): completions,
+    rewards, reasons and the target text's log-likelihood. `generate(prompts, n, seeds,
+    greedy)` samples (the trainer's shares samples within a model group);
+    `score_tokens(token_ids, prompt_len)` gives the log-probs of the tail (None: no
+    perplexity). The rewards run even with no prompts: a reward model's passes are collective."""
+    cfg = stack.cfg
+    n, max_new_tokens = cfg.logging.eval_num_generations, cfg.rollout.max_new_tokens
+    groups = generate(prompts, n=n, seeds=[sampling_seed(cfg.grpo.seed, EVAL_STEP, i) for i in indices],
                       greedy=n == 1) if prompts else []
     completions = [c for group in groups for c in group]
-    flat_texts = answer_texts(completions, tokenizer)
-    texts = [flat_texts[j * n:(j + 1) * n] for j in range(len(prompts))]
     flat_prompts = [p for p in prompts for _ in range(n)]
-    fields = {key: [p.fields.get(key) for p in flat_prompts] for key in field_names}
-    fields.update(completion_fields(completions, max_new_tokens))
-    details = {}
-    total, per_function = compute_rewards(reward_functions, [p.prompt for p in flat_prompts],
-                                          flat_texts, fields, details)
-    reasons = details.get("reasons", {})
+    flat_texts, rewards = stack.score(flat_prompts, completions, field_names)
+    multi_turn = bool(completions) and isinstance(completions[0], Trajectory)
+    conversations = [c.messages for c in completions] if multi_turn else None
     records = []
     for j, prompt in enumerate(prompts):
         rows = slice(j * n, (j + 1) * n)
-        reference = prompt.fields.get(reference_field)
-        record = {"index": indices[j], "prompt": prompt.prompt, "reference": reference,
-                  "completions": texts[j], "reward": total[rows].tolist(),
-                  "rewards": {rf.name: per_function[rows, f].tolist()
-                              for f, rf in enumerate(reward_functions)},
-                  "reasons": {name: r[rows] for name, r in reasons.items()},
+        target = prompt.fields.get(cfg.data.target_field)
+        record = {"index": indices[j], "prompt": prompt.prompt, "reference": target,
+                  "completions": flat_texts[rows], "reward": rewards.total[rows].tolist(),
+                  "rewards": {rf.name: rewards.per_function[rows, f].tolist()
+                              for f, rf in enumerate(stack.reward_functions)},
+                  "reasons": {name: r[rows] for name, r in rewards.reasons.items()},
                   "ref_logprob": None, "ref_tokens": 0}
-        if "messages" in fields:
-            record["trajectories"] = fields["messages"][rows]
-        if reference is not None and score is not None:
-            ref_ids = tokenizer(str(reference), add_special_tokens=False)["input_ids"][:max_new_tokens]
-            if ref_ids:
-                logprobs = score(list(prompt.token_ids) + ref_ids, len(prompt.token_ids))
-                record["ref_logprob"], record["ref_tokens"] = float(sum(logprobs)), len(ref_ids)
+        if conversations is not None:
+            record["trajectories"] = conversations[rows]
+        if target is not None and score_tokens is not None:
+            target_ids = stack.tokenizer(str(target), add_special_tokens=False)["input_ids"][:max_new_tokens]
+            if target_ids:
+                logprobs = score_tokens(list(prompt.token_ids) + target_ids, len(prompt.token_ids))
+                record["ref_logprob"], record["ref_tokens"] = float(sum(logprobs)), len(target_ids)
         records.append(record)
     return records
+
+
+def evaluate(stack, prompts, rank: int, size: int, generate, score_tokens, group=None) -> tuple[list[dict], dict]:
+    """Every held-out prompt scored, rank `rank` of `size` taking every size-th one; returns
+    every rank's records (ordered) and the metrics of the module docstring."""
+    indices = list(range(rank, len(prompts), size))
+    field_names = sorted(prompts[0].fields) if prompts else []
+    records = score_prompts(stack, [prompts[i] for i in indices], indices, field_names, generate, score_tokens)
+    records = gather_records(records, group)
+    functions = stack.reward_functions
+    metrics = summarize(records, [f.name for f in functions], stack.cfg.logging.eval_num_generations,
+                        {f.name: f.pass_threshold for f in functions})
+    return records, metrics
 
 
 def gather_records(records: list[dict], group=None) -> list[dict]:
@@ -243,15 +250,12 @@ def _evaluate(args, merged) -> int:
     """`megagrpo eval`; `merged`: an empty folder to merge an adapter folder (args.model) into."""
     from megagrpo.checkpoints.convert import ConvertError, adapter_to_hf
     from megagrpo.cluster.distributed import init_distributed
-    from megagrpo.validation import load_config
     from megagrpo.config.schema import ConfigError
-    from megagrpo.data import DataError, load_prompts
-    from megagrpo.policy.models import load_tokenizer
+    from megagrpo.data import DataError
     from megagrpo.metrics import MetricsLogger, quiet_library_output
-    from megagrpo.rewards import RewardError, build_reward_functions, close_reward_functions
-    from megagrpo.rollout.agent import AgentLoop
-    from megagrpo.rollout.generators import build_generator
-    from megagrpo.rollout.tools import Toolset
+    from megagrpo.rewards import RewardError
+    from megagrpo.stack import build_rollout_stack
+    from megagrpo.validation import load_config
 
     model = args.model
     if merged:
@@ -272,39 +276,21 @@ def _evaluate(args, merged) -> int:
     quiet_library_output()
     topology = init_distributed()
     try:
-        tokenizer = load_tokenizer(cfg.model.name_or_path)
-        toolset = Toolset(cfg) if cfg.rollout.max_turns > 1 else None
-        prompts, dropped = load_prompts(cfg.data.eval_file, tokenizer, cfg.data.max_prompt_length,
-                                        cfg.data.prompt_field, cfg.data.system_prompt, cfg.data.eval_split,
-                                        toolset.schemas if toolset else None)
-        functions = build_reward_functions(cfg.rewards.functions, cfg)
-        if not functions and topology.is_main:
+        stack = build_rollout_stack(cfg, training=False)
+        if not stack.reward_functions and topology.is_main:
             print("megagrpo eval: no reward functions are configured, so no reward is reported (text metrics "
                   "only). Pass them with --config X.yaml (its rewards.functions) or an override, e.g. "
                   "'rewards.functions=[{name: answer_match}]'", file=sys.stderr, flush=True)
-        rollout = build_generator(cfg, seed=cfg.grpo.seed + topology.rank)
-        if toolset:
-            generate = AgentLoop(cfg, rollout, tokenizer, toolset).generate
-        else:
-            def generate(chosen, n, seeds, greedy):
-                return rollout.generate([p.token_ids for p in chosen], n=n, seeds=seeds, greedy=greedy)
-        indices = list(range(topology.rank, len(prompts), topology.world_size))
-        records = score_prompts([prompts[i] for i in indices], indices, generate, rollout.score,
-                                tokenizer, functions, sorted(prompts[0].fields) if prompts else [],
-                                cfg.logging.eval_num_generations, cfg.data.reference_field,
-                                cfg.rollout.max_new_tokens, cfg.grpo.seed)
-        records = gather_records(records)
-        results = summarize(records, [f.name for f in functions], cfg.logging.eval_num_generations,
-                            {f.name: f.pass_threshold for f in functions})
-        close_reward_functions(functions)
-        if toolset:
-            toolset.close()
+        stack.start_generator(seed=cfg.grpo.seed + topology.rank)
+        records, results = evaluate(stack, stack.eval_prompts, topology.rank, topology.world_size, stack.generate,
+                                    stack.generator.score)
+        stack.close()
     except (DataError, RewardError, ConfigError) as e:
         print(f"megagrpo: error: {e}", file=sys.stderr)
         return 1
     if topology.is_main:
         os.makedirs(output, exist_ok=True)
-        results_with_meta = {**results, "num_prompts": len(records), "dropped_prompts": dropped,
+        results_with_meta = {**results, "num_prompts": len(records), "dropped_prompts": stack.dropped["eval"],
                              "num_generations": cfg.logging.eval_num_generations}
         with open(os.path.join(output, "eval_results.json"), "w") as f:
             json.dump(results_with_meta, f, indent=1)

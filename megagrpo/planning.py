@@ -49,7 +49,7 @@ class Plan:
     params_total: int
     params_sharded: int          # split by tensor parallelism
     params_trained: int          # with gradients and optimizer state (a LoRA policy: its adapters)
-    per_rank: dict               # bytes: params, grads, optimizer, reference, rollout_weights
+    bytes_per_rank: dict         # bytes: params, grads, optimizer, reference, rollout_weights
     ranks: list                  # (rank, dp_rank, tp_rank, pp_stage)
     peak: dict = field(default_factory=dict)  # bytes held at a rank's peak, by what holds them
     lora: bool = False
@@ -96,7 +96,7 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     trained = count_trained_parameters(cfg.model.name_or_path, cfg.model.lora) if lora else local
     held = local + trained if lora else local  # a LoRA policy: the frozen base and its adapters
     weight_b, grad_b, optim_b = BYTES[cfg.model.dtype]
-    per_rank = {
+    bytes_per_rank = {
         "params": held * weight_b // (dp if stage >= 3 else 1),
         "grads": trained * grad_b // (dp if stage >= 2 else 1),
         "optimizer": trained * optim_b // (dp if stage >= 1 else 1),
@@ -106,7 +106,7 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     layout = Topology(world_size, 0, 0, tp, pp)
     ranks = [(r, place.dp_rank, place.tp_rank, place.pp_rank) for r in range(world_size)
              for place in [layout.at(r)]]
-    plan = Plan(world_size, dp, tp, pp, stage, total, sharded, trained, per_rank, ranks, lora=lora)
+    plan = Plan(world_size, dp, tp, pp, stage, total, sharded, trained, bytes_per_rank, ranks, lora=lora)
     plan.peak = peak_memory(cfg, plan, trained)
     return plan
 
@@ -158,13 +158,13 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int) -> dict:
     head = chunk * vocab * 4 * 3  # a chunk's logits, probabilities and their gradient (float32)
     if device == "cpu" and weight_b == 2:
         head += 2 * vocab * hidden * 4  # the float32 copy of the head and its gradient
-    state = sum(plan.per_rank[k] for k in ("params", "grads", "optimizer"))
+    state = sum(plan.bytes_per_rank[k] for k in ("params", "grads", "optimizer"))
     peak = {
         "runtime": RUNTIME_BYTES[device],
         "trainer_state": state,
         "gradient_buckets": _bucket_bytes(cfg, trained_params, weight_b),
-        "reference": plan.per_rank["reference"],
-        "rollout": (plan.per_rank["rollout_weights"] * VLLM_CPU_WEIGHT_COPIES[cfg.model.dtype]
+        "reference": plan.bytes_per_rank["reference"],
+        "rollout": (plan.bytes_per_rank["rollout_weights"] * VLLM_CPU_WEIGHT_COPIES[cfg.model.dtype]
                     + int(r.cpu_kv_cache_gb * 2**30)) if device == "cpu"
         else int(r.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory),
         "activations": tokens * activation_bytes_per_token(config, layers, cfg.model.dtype,
@@ -284,9 +284,9 @@ def format_plan(plan: Plan, max_rows: int = 16) -> str:
     if len(plan.ranks) > max_rows:
         lines.append(f"  ... {len(plan.ranks) - max_rows} more ranks, same pattern")
     lines += ["", "model state per rank:"]
-    for key, value in plan.per_rank.items():
+    for key, value in plan.bytes_per_rank.items():
         lines.append(f"  {key:<16}{_gib(value):>14}")
-    training = sum(plan.per_rank[k] for k in ("params", "grads", "optimizer"))
+    training = sum(plan.bytes_per_rank[k] for k in ("params", "grads", "optimizer"))
     lines.append(f"  {'trainer total':<16}{_gib(training):>14}  (params + grads + optimizer)")
     if plan.peak:
         lines += ["", "peak memory per rank (the sampling rank, during the training step):"]

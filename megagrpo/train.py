@@ -4,9 +4,9 @@ Runs as one process, under `deepspeed --num_gpus N --module megagrpo.train`, or 
 One step:
     prompts -> rollout (G completions each; multi-turn with tools: rollout/agent.py)
     -> rewards -> group advantages
-    -> reference (and old-policy) logprobs -> mu passes of clipped, KL-penalised updates
-    -> weight sync into the rollout engine -> metrics, checkpoint
-The policy engine (policy/) hides the parallel layout: this loop is the same for all of them.
+    -> reference (and old-policy) logprobs -> num_iterations passes of clipped, KL-penalised updates
+    -> weight sync into the generator -> metrics, checkpoint
+The policy (policy/) hides the parallel layout, ZeRO and LoRA: this loop is the same for all.
 """
 from __future__ import annotations
 
@@ -24,13 +24,9 @@ from megagrpo.algorithm import grpo
 from megagrpo.checkpoints import checkpoint
 from megagrpo.cluster.distributed import all_gather_1d, init_distributed
 from megagrpo.cluster.topology import Topology
-from megagrpo.config.deepspeed_json import zero_stage
-from megagrpo.validation import load_config
 from megagrpo.config.loading import to_dict
 from megagrpo.config.schema import Config, ConfigError
-from megagrpo.data import DataError, Prompt, PromptSampler, load_prompts, record_prompts
-from megagrpo.policy import build_policy, lora
-from megagrpo.policy.models import load_tokenizer
+from megagrpo.data import DataError, Prompt, PromptSampler, record_prompts
 from megagrpo.metrics import (
     MetricsLogger,
     PhaseClock,
@@ -39,57 +35,42 @@ from megagrpo.metrics import (
     rollout_metrics,
     samples_markdown,
 )
-from megagrpo.rewards import (
-    RewardError,
-    build_reward_functions,
-    close_reward_functions,
-    component_metrics,
-    compute_rewards,
-)
-from megagrpo.rollout.agent import AgentLoop, agent_metrics, answer_texts, completion_fields
+from megagrpo.policy import build_policy
 from megagrpo.policy.batch import make_batch
-from megagrpo.rollout.generators import build_generator, sampling_seed
+from megagrpo.rewards import RewardError, component_metrics
+from megagrpo.rollout.agent import agent_metrics
+from megagrpo.rollout.generators import sampling_seed
 from megagrpo.rollout.groups import SampledGroups, sample_informative_groups
-from megagrpo.rollout.tools import Toolset
 from megagrpo.rollout.weight_sync import sync_weights
+from megagrpo.stack import build_rollout_stack
+from megagrpo.validation import load_config
 
 
 class Trainer:
     def __init__(self, cfg: Config, topology: Topology):
         self.cfg, self.topo = cfg, topology
-        g, data = cfg.grpo, cfg.data
+        g = cfg.grpo
         self.device = torch.device(f"cuda:{topology.local_rank}" if torch.cuda.is_available() else "cpu")
         self.log = lambda msg: print(f"[megagrpo] {msg}", flush=True) if topology.is_main else None
-        self.tokenizer = load_tokenizer(cfg.model.name_or_path)
-        model = cfg.model.name_or_path
-        self.base_model = os.path.abspath(model) if os.path.isdir(model) else model  # as checkpoints record it
-        self.adapter_config = lora.adapter_config(cfg.model.lora, self.base_model) if cfg.model.lora.r else None
-        self.toolset = Toolset(cfg) if cfg.rollout.max_turns > 1 else None
-        tools = self.toolset.schemas if self.toolset else None
-        self.prompts, dropped = load_prompts(data.train_file, self.tokenizer, data.max_prompt_length,
-                                             data.prompt_field, data.system_prompt, data.split, tools)
-        self.log(f"{len(self.prompts)} training prompts; {dropped} dropped as longer than "
-                 f"data.max_prompt_length={data.max_prompt_length}")
-        self.eval_prompts = []
-        if data.eval_file:
-            self.eval_prompts, _ = load_prompts(data.eval_file, self.tokenizer, data.max_prompt_length,
-                                                data.prompt_field, data.system_prompt, data.eval_split, tools)
-        self.reward_functions = build_reward_functions(cfg.rewards.functions, cfg)
+        self.stack = build_rollout_stack(cfg)  # tokenizer, tools, prompts, reward functions
+        self.tokenizer, self.prompts = self.stack.tokenizer, self.stack.prompts
+        self.log(f"{len(self.prompts)} training prompts; {self.stack.dropped['train']} dropped as longer than "
+                 f"data.max_prompt_length={cfg.data.max_prompt_length}")
         completions_per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
         self.sampler = PromptSampler(len(self.prompts), completions_per_rank // g.num_generations,
-                                     topology.dp_rank, topology.dp_size, g.seed, data.shuffle)
+                                     topology.dp_rank, topology.dp_size, g.seed, cfg.data.shuffle)
         self.total_steps = g.max_steps if g.max_steps > 0 else max(
             1, math.ceil(g.num_train_epochs * self.sampler.steps_per_epoch))
-        self.engine = build_policy(cfg, topology, self.total_steps)
-        # every rank builds a rollout engine (vLLM's external launcher forms its groups over
-        # all ranks); the first rank of each model group samples for the group
-        self.rollout = build_generator(cfg, seed=g.seed + topology.dp_rank)
-        self.agent = AgentLoop(cfg, self.rollout, self.tokenizer, self.toolset) if self.toolset else None
+        self.policy = build_policy(cfg, topology, self.total_steps)
+        # every rank builds a generator (vLLM's external launcher forms its groups over all
+        # ranks); the first rank of each model group samples for the group
+        self.stack.start_generator(seed=g.seed + topology.dp_rank)
+        self.generator = self.stack.generator
         self.metrics = MetricsLogger(cfg.output_dir, cfg.logging, topology.is_main, to_dict(cfg))
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         os.makedirs(cfg.output_dir, exist_ok=True)
         self.step = 0
-        self.rollout_synced = False  # after the first sync only the weights a step changes move
+        self.generator_synced = False  # after the first sync only the weights a step changes move
         self.log(topology.describe())
 
     # ---- the run ------------------------------------------------------------------------------
@@ -97,9 +78,9 @@ class Trainer:
     def train(self) -> dict:
         cfg = self.cfg
         self.resume()
-        self.sync_rollout_weights()
+        self.sync_generator_weights()
         results = {}
-        if self.eval_prompts and self.step == 0:
+        if self.stack.eval_prompts and self.step == 0:
             results["before"] = self.evaluate()
             self.log(f"held-out before training: {evaluation.format_metrics(results['before'])}")
         progress = Progress(self.total_steps, self.step, self.topo.is_main and cfg.logging.progress_bar,
@@ -112,14 +93,14 @@ class Trainer:
             progress.update(self.step, metrics)
             if self.step % cfg.logging.logging_steps == 0 or self.step == self.total_steps:
                 self.metrics.scalars(self.step, {f"train/{k}": v for k, v in metrics.items()})
-            if cfg.logging.eval_steps and self.step % cfg.logging.eval_steps == 0 and self.eval_prompts:
+            if cfg.logging.eval_steps and self.step % cfg.logging.eval_steps == 0 and self.stack.eval_prompts:
                 self.metrics.scalars(self.step, {f"eval/{k}": v for k, v in self.evaluate().items()})
             if cfg.checkpoint.save_steps and self.step % cfg.checkpoint.save_steps == 0:
                 self.save()
         progress.close()
         if not cfg.checkpoint.save_steps or self.step % cfg.checkpoint.save_steps != 0:
             self.save()
-        if self.eval_prompts:
+        if self.stack.eval_prompts:
             results["after"] = self.evaluate()
             self.metrics.scalars(self.step, {f"eval/{k}": v for k, v in results["after"].items()})
             self.log(f"held-out after training: {evaluation.format_metrics(results['after'])}")
@@ -127,9 +108,7 @@ class Trainer:
             self.export()
         if self.topo.is_main and results:
             evaluation.write_results(cfg.output_dir, results)
-        close_reward_functions(self.reward_functions)
-        if self.toolset:
-            self.toolset.close()
+        self.stack.close()
         self.metrics.close()
         self.log(f"done: {self.step} steps. {self.metrics.how_to_watch()}")
         return results
@@ -142,16 +121,16 @@ class Trainer:
         # rollout (G completions or multi-turn trajectories per prompt, with the sampler's
         # logprobs) and rewards; dynamic sampling: more rounds until the groups are informative
         if g.dynamic_sampling:
-            sampled = sample_informative_groups(lambda r: self.sample_groups(r, clock), self.sampler.per_rank,
-                                                g.max_sampling_rounds, self.topo.dp_group)
+            sampled = sample_informative_groups(lambda r: self.sample_groups(r, clock),
+                                                self.sampler.prompts_per_rank, g.max_sampling_rounds,
+                                                self.topo.dp_group)
         else:
             sampled = self.sample_groups(0, clock)
-        prompt_of, completions, texts = sampled.prompts, sampled.completions, sampled.texts
-        rewards, per_function, details = sampled.rewards, sampled.per_function, sampled.details
+        prompt_of, completions, rewards = sampled.prompts, sampled.completions, sampled.rewards
 
         # group advantages (groups never leave their rank; batch std is global)
-        global_rewards = all_gather_1d(rewards, self.topo.dp_group)
-        advantages = grpo.group_advantages(rewards, g.num_generations, g.scale_rewards,
+        global_rewards = all_gather_1d(rewards.total, self.topo.dp_group)
+        advantages = grpo.group_advantages(rewards.total, g.num_generations, g.scale_rewards,
                                            batch_std=global_rewards.std())
         clock.lap("reward")
 
@@ -161,33 +140,33 @@ class Trainer:
             batch.completion_mask = batch.completion_mask * (~batch.truncated).unsqueeze(1).float()
 
         # reference and old-policy logprobs, over the same micro-batches as the update
-        micro_batches = self.engine.micro_batches(batch)
-        batch.ref_logp = self.engine.logprobs(batch, micro_batches, reference=True)
+        micro_batches = self.policy.micro_batches(batch)
+        batch.ref_logp = self.policy.logprobs(batch, micro_batches, reference=True)
         if g.num_iterations > 1:
-            batch.old_logp = self.engine.logprobs(batch, micro_batches)
+            batch.old_logp = self.policy.logprobs(batch, micro_batches)
         clock.lap("reference")
 
-        # policy update: mu passes, one optimizer step each; a moving reference follows it
-        metrics = self.engine.optimize(batch, micro_batches)
+        # policy update: num_iterations passes, one optimizer step each; a moving reference follows it
+        metrics = self.policy.optimize(batch, micro_batches)
         if g.sync_ref_model and (self.step + 1) % g.ref_model_sync_steps == 0:
-            self.engine.mix_reference(g.ref_model_mixup_alpha)
+            self.policy.mix_reference(g.ref_model_mixup_alpha)
         clock.lap("train")
 
-        self.sync_rollout_weights()
+        self.sync_generator_weights()
         clock.lap("weight_sync")
         if self.topo.is_main and self.cfg.logging.sample_steps and (self.step + 1) % self.cfg.logging.sample_steps == 0:
-            shown = texts if self.agent is None else [  # whole trajectories: turns and tool results
+            shown = sampled.texts if self.stack.agent is None else [  # whole trajectories: turns and tool results
                 self.tokenizer.decode(c.token_ids) for c in completions[:g.num_generations]]
             table = samples_markdown(prompt_of[0].prompt, shown[:g.num_generations],
-                                     rewards[:g.num_generations].tolist())
+                                     rewards.total[:g.num_generations].tolist())
             self.metrics.text(self.step + 1, "samples", table)
-        metrics.update(rollout_metrics(global_rewards, per_function, advantages, batch,
-                                       [rf.name for rf in self.reward_functions], g.num_generations,
+        metrics.update(rollout_metrics(global_rewards, rewards.per_function, advantages, batch,
+                                       [rf.name for rf in self.stack.reward_functions], g.num_generations,
                                        sum(clock.seconds.values()), self.topo.dp_group))
-        metrics.update(component_metrics(details, self.topo.dp_group))
+        metrics.update(component_metrics(rewards, self.topo.dp_group))
         metrics.update(sampled.metrics)
-        if self.agent is not None:
-            metrics.update(agent_metrics(completions, self.agent.tool_wall_seconds, self.topo.dp_group))
+        if self.stack.agent is not None:
+            metrics.update(agent_metrics(completions, self.stack.agent.tool_wall_seconds, self.topo.dp_group))
         metrics.update(clock.metrics())
         return {k: float(v) for k, v in metrics.items()}
 
@@ -202,22 +181,18 @@ class Trainer:
         completions = [c for group in groups for c in group]
         prompt_of = [p for p in prompts for _ in range(g.num_generations)]
         clock.lap("rollout" if sampling_round == 0 else "resampling")
-        texts = answer_texts(completions, self.tokenizer)
-        rewards, per_function, details = self.score(prompt_of, texts, completions)
+        texts, rewards = self.stack.score(prompt_of, completions, prompts[0].fields)
         clock.lap("reward" if sampling_round == 0 else "resampling")
-        return SampledGroups(prompt_of, completions, texts, rewards, per_function, details, g.num_generations)
+        return SampledGroups(prompt_of, completions, texts, rewards, g.num_generations)
 
     def generate(self, prompts: list[Prompt], n, seeds, greedy=False):
-        """Sample on the first rank of each model group (one engine call, or the multi-turn
+        """Sample on the first rank of each model group (one generator call, or the multi-turn
         loop) and share its completions with the group, so that every rank trains on the same
         tokens."""
         groups = None
         if self.topo.samples_rollout:
-            if self.agent is not None:
-                groups = self.agent.generate(prompts, n=n, seeds=seeds, greedy=greedy)
-            else:
-                groups = self.rollout.generate([p.token_ids for p in prompts], n=n, seeds=seeds, greedy=greedy)
-            self.rollout.sleep()
+            groups = self.stack.generate(prompts, n=n, seeds=seeds, greedy=greedy)
+            self.generator.sleep()
         if self.topo.model_group is not None:
             box = [groups]
             torch.distributed.broadcast_object_list(box, src=self.topo.model_group_source,
@@ -225,79 +200,58 @@ class Trainer:
             groups = box[0]
         return groups
 
-    def score(self, prompts: list[Prompt], texts: list[str], completions: list):
-        """Weighted total and per-function rewards, and the details (components, reasons) of
-        the rewards that give them."""
-        fields = {key: [p.fields.get(key) for p in prompts] for key in prompts[0].fields}
-        fields.update(completion_fields(completions, self.cfg.rollout.max_new_tokens))
-        details = {}
-        total, per_function = compute_rewards(self.reward_functions, [p.prompt for p in prompts], texts,
-                                              fields, details)
-        return total, per_function, details
-
-    def sync_rollout_weights(self) -> float:
-        """Stream the policy's weights into the rollout engine of every rank that receives them
-        whole (all ranks, or a pipeline's first stage); returns seconds taken."""
-        partial = self.rollout_synced and self.cfg.model.lora.r > 0
-        seconds = sync_weights(self.engine.full_tensors(changed_only=partial),
-                               self.rollout if self.engine.holds_full_tensors else None, partial)
-        self.rollout_synced = True
+    def sync_generator_weights(self) -> float:
+        """Stream the policy's weights into the generator of every rank that receives them
+        whole (all ranks, or a pipeline's first stage); returns seconds taken. After the first
+        sync, a policy that trains only part of its weights (LoRA) sends only that part."""
+        partial = self.generator_synced and not self.policy.trains_all_weights
+        seconds = sync_weights(self.policy.full_tensors(changed_only=partial),
+                               self.generator if self.policy.holds_full_tensors else None, partial)
+        self.generator_synced = True
         return seconds
 
     # ---- evaluation and checkpoints -------------------------------------------------------------
 
     def evaluate(self) -> dict:
-        """This rank's share of the held-out prompts through the rollout engine, scored by the
+        """This rank's share of the held-out prompts through the generator, scored by the
         reward functions and the text metrics (see evaluation.py). Returns the global metrics."""
-        indices = list(range(self.topo.dp_rank, len(self.eval_prompts), self.topo.dp_size))
-        # only a sampling rank's engine is sure to hold the trained weights
-        score = self.rollout.score if self.topo.samples_rollout else None
-        records = evaluation.score_prompts(
-            [self.eval_prompts[i] for i in indices], indices, self.generate, score, self.tokenizer,
-            self.reward_functions, sorted(self.eval_prompts[0].fields), self.cfg.logging.eval_num_generations,
-            self.cfg.data.reference_field, self.cfg.rollout.max_new_tokens, self.cfg.grpo.seed)
-        records = evaluation.gather_records(records, self.topo.dp_group)
-        metrics = evaluation.summarize(records, [rf.name for rf in self.reward_functions],
-                                       self.cfg.logging.eval_num_generations,
-                                       {rf.name: rf.pass_threshold for rf in self.reward_functions})
+        # only a sampling rank's generator is sure to hold the trained weights
+        score_tokens = self.generator.score if self.topo.samples_rollout else None
+        records, metrics = evaluation.evaluate(self.stack, self.stack.eval_prompts, self.topo.dp_rank,
+                                               self.topo.dp_size, self.generate, score_tokens, self.topo.dp_group)
         if self.topo.is_main:
             evaluation.record_evaluation(self.cfg.output_dir, self.step, records, metrics)
         return metrics
 
+    def trainer_state(self) -> checkpoint.TrainerState:
+        """What a checkpoint of this run records now (and what a checkpoint must match to resume)."""
+        return checkpoint.TrainerState(
+            step=self.step, sampler=self.sampler.state_dict(), world_size=self.topo.world_size,
+            dp_size=self.topo.dp_size, num_prompts=len(self.prompts), total_steps=self.total_steps,
+            prompts_per_step=self.sampler.prompts_per_step, model=self.policy.base_model,
+            layout=self.policy.layout())
+
     def resume(self) -> None:
-        state = checkpoint.resume(self.engine.policy, self.ckpt_root, self.cfg.checkpoint.resume, self.topo,
-                                  len(self.prompts), self.sampler.global_batch,
-                                  zero_stage(self.cfg.deepspeed), self.log, lora.checkpoint_entry(self.cfg.model.lora))
+        state = checkpoint.resume(self.policy, self.ckpt_root, self.cfg.checkpoint.resume, self.trainer_state(),
+                                  self.topo, self.log)
         if state is not None:
             self.step = state["step"]
             self.sampler.load_state_dict(state["sampler"])
             if self.cfg.grpo.sync_ref_model:
-                self.engine.load_reference_state(checkpoint.load_reference(state, self.topo.rank))
+                self.policy.load_reference_state(checkpoint.load_reference(state, self.topo.rank))
 
     def save(self) -> None:
-        state = checkpoint.TrainerState(
-            step=self.step, sampler=self.sampler.state_dict(), world_size=self.topo.world_size,
-            dp_size=self.topo.dp_size, num_prompts=len(self.prompts), total_steps=self.total_steps,
-            prompts_per_step=self.sampler.global_batch, model=self.base_model,
-            layout={"tp": self.topo.tp_size, "pp": self.topo.pp_size, "zero_stage": zero_stage(self.cfg.deepspeed),
-                    "dtype": self.cfg.model.dtype, "lora": lora.checkpoint_entry(self.cfg.model.lora)})
-        reference = self.engine.reference_state() if self.cfg.grpo.sync_ref_model else None
-        path = checkpoint.save(self.engine.policy, self.ckpt_root, state, self.cfg.checkpoint.keep_last,
-                               self.topo.is_main, self.topo.rank, reference, self.adapter_config)
+        reference = self.policy.reference_state() if self.cfg.grpo.sync_ref_model else None
+        path = checkpoint.save(self.policy, self.ckpt_root, self.trainer_state(), self.cfg.checkpoint.keep_last,
+                               self.topo, reference)
         self.log(f"checkpoint saved: {path}")
 
     def export(self) -> None:
         """output_dir/hf: the model as an HF folder (a LoRA policy's merged; its adapters also
         as a PEFT folder, output_dir/adapter)."""
-        out = os.path.join(self.cfg.output_dir, "hf")
-        checkpoint.export_hf(self.engine.policy.module, self.engine.full_tensors(), self.tokenizer, out,
-                             self.topo.is_main)
-        self.log(f"HF model written to {out}")
-        if self.adapter_config:
-            out = os.path.join(self.cfg.output_dir, "adapter")
-            lora.write_adapter_folder(lora.adapter_tensors(self.engine.policy.module), self.adapter_config, out,
-                                      self.topo.is_main)
-            self.log(f"LoRA adapter written to {out}")
+        for what, folder in checkpoint.export(self.policy, self.tokenizer, self.cfg.output_dir,
+                                              self.topo.is_main).items():
+            self.log(f"{what} written to {folder}")
 
 
 def parse_args(argv=None):

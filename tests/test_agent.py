@@ -17,11 +17,11 @@ from transformers import AutoTokenizer
 sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
 import agent_tools
 
-from megagrpo.validation import load_config
 from megagrpo.config.schema import ConfigError
-from megagrpo.rollout.agent import ToolMessageRenderer
 from megagrpo.policy.batch import Completion, make_batch
+from megagrpo.rollout.agent import ToolMessageRenderer
 from megagrpo.rollout.tools import ToolRunner, Toolset, check_arguments, hermes
+from megagrpo.validation import load_config
 
 HELPERS = "agent_tools"  # tests/helpers is on PYTHONPATH for the runs below
 

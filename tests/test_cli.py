@@ -6,6 +6,7 @@ import re
 
 from conftest import BIN, ROOT, free_port, run, tiny_overrides, write_jsonl
 
+from megagrpo.config import aliases
 from megagrpo.config import schema as config_module
 from megagrpo.rewards import answer_match
 
@@ -59,5 +60,5 @@ def test_docs_document_every_config_key():
                 "model", "data", "grpo", "rollout", "parallel", "rewards", "checkpoint", "logging", "lora"), f.name
     for f in dataclasses.fields(config_module.LoraConfig):  # a section inside model: model.lora.<key>
         assert f"| `model.lora.{f.name}` |" in page, f.name
-    for alias in config_module.ALIASES:
+    for alias in aliases.ALIASES:
         assert f"`{alias}`" in page, alias

@@ -4,8 +4,8 @@ import sys
 import pytest
 from conftest import ROOT, run, tiny_overrides
 
-from megagrpo.validation import load_config
 from megagrpo.config.schema import ConfigError
+from megagrpo.validation import load_config
 
 
 def test_trl_names_and_overrides(tiny, tmp_path):

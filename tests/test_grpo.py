@@ -57,7 +57,7 @@ def test_aggregations_hand_computed(loss_type):
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     expected = {"grpo": (2.0 + 4.0) / 2, "bnpo": 10.0 / 4, "dapo": 10.0 / 4, "dr_grpo": 10.0 / (2 * 5)}
     got = grpo.aggregate(token_loss, mask, loss_type, num_sequences=2, num_tokens=4.0,
-                         max_completion_length=5)
+                         max_sampled_tokens=5)
     assert got.item() == pytest.approx(expected[loss_type])
 
 
@@ -65,7 +65,7 @@ def test_aggregations_hand_computed(loss_type):
 def test_microbatch_split_sums_to_full_batch(loss_type):
     torch.manual_seed(0)
     token_loss, mask = torch.randn(6, 5), (torch.rand(6, 5) > 0.3).float()
-    norms = dict(num_sequences=6, num_tokens=float(mask.sum()), max_completion_length=5)
+    norms = dict(num_sequences=6, num_tokens=float(mask.sum()), max_sampled_tokens=5)
     full = grpo.aggregate(token_loss, mask, loss_type, **norms)
     parts = sum(grpo.aggregate(token_loss[i:i + 2], mask[i:i + 2], loss_type, **norms) for i in (0, 2, 4))
     assert parts.item() == pytest.approx(full.item(), abs=1e-6)
@@ -102,7 +102,7 @@ def test_gradients_match_float64_reference():
     logp32 = logp64.detach().float().requires_grad_()
     tl = grpo.per_token_loss(logp32, old.float(), adv.float(), 0.2, 0.28, 0.05, ref.float())
     got = grpo.aggregate(tl.loss, mask.float(), "grpo", num_sequences=B, num_tokens=0,
-                         max_completion_length=T)
+                         max_sampled_tokens=T)
     got.backward()
     assert got.item() == pytest.approx(expected.item(), abs=1e-6)
     torch.testing.assert_close(logp32.grad.double(), g_expected, atol=1e-6, rtol=1e-5)

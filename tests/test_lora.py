@@ -20,8 +20,8 @@ import torch
 from conftest import BIN, PYTHON, free_port, run, tiny_overrides
 from safetensors.torch import load_file
 
-from megagrpo.validation import load_config
 from megagrpo.config.schema import ConfigError
+from megagrpo.validation import load_config
 
 LAYOUTS = {
     # every norm trained in full beside the adapters (peft: modules whose names end in "norm")
@@ -168,6 +168,6 @@ def test_the_plan_counts_adapter_state_only(tiny, monkeypatch):
     plan = make_plan(cfg, 2)
     trained = 2 * 2 * 8 * (128 + 128) + 5 * 128
     assert plan.params_trained == trained and plan.lora
-    assert plan.per_rank["grads"] == trained * 4 // 2 and plan.per_rank["optimizer"] == trained * 12 // 2
-    assert plan.per_rank["reference"] == 0
-    assert plan.per_rank["params"] == (plan.params_total + trained) * 4 // 2
+    assert plan.bytes_per_rank["grads"] == trained * 4 // 2 and plan.bytes_per_rank["optimizer"] == trained * 12 // 2
+    assert plan.bytes_per_rank["reference"] == 0
+    assert plan.bytes_per_rank["params"] == (plan.params_total + trained) * 4 // 2

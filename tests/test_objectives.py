@@ -63,7 +63,7 @@ def ours(g: GRPOConfig, x: dict, sampler_weight: bool = True, rows=None, num_tok
     rows = list(range(B)) if rows is None else rows
     inputs = LossInputs(x["mask"][rows], x["advantages"][rows], x["sampler"][rows], x["old"][rows], x["ref"][rows])
     normalisers = {"num_sequences": B, "num_tokens": float(x["mask"].sum()) if num_tokens is None else num_tokens,
-                   "max_completion_length": T}
+                   "max_sampled_tokens": T}
     return micro_batch_loss(g, x["logp"][rows], x["entropy"][rows], inputs, normalisers, 1.0, None)
 
 
@@ -213,13 +213,15 @@ def test_objective_combinations_are_checked():
 
 
 def test_dynamic_sampling_keeps_informative_groups_and_their_details():
+    from megagrpo.rewards import Rewards
     from megagrpo.rollout.groups import SampledGroups, sample_informative_groups
 
     def round_of(rewards, tag):
         n = len(rewards)
+        scored = Rewards(torch.tensor(rewards), torch.tensor(rewards)[:, None],
+                         {"f/x": torch.tensor(rewards) * 10}, {"f": [tag] * n})
         return SampledGroups([f"{tag}p{i // 2}" for i in range(n)], [f"{tag}c{i}" for i in range(n)],
-                             [f"{tag}t{i}" for i in range(n)], torch.tensor(rewards), torch.tensor(rewards)[:, None],
-                             {"components": {"f/x": torch.tensor(rewards) * 10}, "reasons": {"f": [tag] * n}}, 2)
+                             [f"{tag}t{i}" for i in range(n)], scored, 2)
 
     rounds = [round_of([1.0, 1.0, 0.0, 1.0, 0.0, 0.0], "a"), round_of([0.0, 0.0, 1.0, 0.0], "b"),
               round_of([0.5, 0.0, 0.0, 0.0], "c")]
@@ -232,9 +234,9 @@ def test_dynamic_sampling_keeps_informative_groups_and_their_details():
     kept = sample_informative_groups(sample_round, share=2, max_rounds=3)
     assert calls == [0, 1]  # the second round filled the share; no third
     assert kept.completions == ["ac2", "ac3", "bc2", "bc3"] and kept.prompts == ["ap1", "ap1", "bp1", "bp1"]
-    assert kept.rewards.tolist() == [0.0, 1.0, 1.0, 0.0] and kept.per_function.shape == (4, 1)
-    assert kept.details["components"]["f/x"].tolist() == [0.0, 10.0, 10.0, 0.0]
-    assert kept.details["reasons"]["f"] == ["a", "a", "b", "b"]
+    assert kept.rewards.total.tolist() == [0.0, 1.0, 1.0, 0.0] and kept.rewards.per_function.shape == (4, 1)
+    assert kept.rewards.components["f/x"].tolist() == [0.0, 10.0, 10.0, 0.0]
+    assert kept.rewards.reasons["f"] == ["a", "a", "b", "b"]
     assert kept.metrics == {"sampling/rounds": 2, "sampling/groups_sampled": 5.0,
                             "sampling/groups_informative": 2.0, "sampling/groups_kept": 2.0}
     calls.clear()

@@ -5,9 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megagrpo.algorithm import grpo
+from megagrpo.policy.batch import Completion, make_batch
 from megagrpo.policy.logprobs import completion_logprobs, install_logprob_head
 from megagrpo.policy.packing import balanced_microbatches, pack
-from megagrpo.policy.batch import Completion, make_batch
 
 PATHS = [(True, True), (True, False), (False, True), (False, False)]  # (packing, fused)
 
@@ -92,7 +92,7 @@ def test_token_budget_split_equals_one_batch(tiny, loss_type):
     model = _model(tiny["model"])
     batch = _batch(LENGTHS, model.config.vocab_size, seed=1)
     normalisers = {"num_sequences": len(batch), "num_tokens": float(batch.completion_mask.sum()),
-                   "max_completion_length": 90}
+                   "max_sampled_tokens": 90}
     everything = list(range(len(batch)))
     _grpo_loss(model, batch, everything, loss_type, normalisers).backward()
     whole = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -115,7 +115,7 @@ def test_packed_and_padded_updates_are_identical(tiny):
         batch = _batch(LENGTHS, model.config.vocab_size, seed=2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         normalisers = {"num_sequences": len(batch), "num_tokens": float(batch.completion_mask.sum()),
-                       "max_completion_length": 90}
+                       "max_sampled_tokens": 90}
         _grpo_loss(model, batch, list(range(len(batch))), "dapo", normalisers, packing).backward()
         optimizer.step()
         params[packing] = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -12,8 +12,8 @@ from conftest import BIN, PYTHON, free_port, run, tiny_overrides
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megagrpo.validation import load_config
 from megagrpo.config.schema import ConfigError
+from megagrpo.validation import load_config
 
 COMMON = ["data.eval_file=null", "grpo.max_steps=2", "grpo.learning_rate=1e-4",
           "logging.sample_steps=0", "checkpoint.save_steps=0"]
@@ -154,13 +154,13 @@ def test_plan_counts_bytes_per_rank(tiny, tmp_path):
     from megagrpo.planning import count_parameters, make_plan
     assert count_parameters(tiny["warm"]) == (sharded + replicated, sharded)
     cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + ["parallel.tensor_parallel_size=2"])
-    per_rank = make_plan(cfg, 4).per_rank
+    per_rank = make_plan(cfg, 4).bytes_per_rank
     local = sharded // 2 + replicated
     assert per_rank["params"] == local * 4 // 2 and per_rank["grads"] == local * 4 // 2
     assert per_rank["optimizer"] == local * 12 // 2 and per_rank["rollout_weights"] == (sharded + replicated) * 4
     cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
         "deepspeed=configs/ds_zero1.json", "model.dtype=bfloat16"])
-    per_rank = make_plan(cfg, 4).per_rank  # ZeRO-1: only the optimizer state is split
+    per_rank = make_plan(cfg, 4).bytes_per_rank  # ZeRO-1: only the optimizer state is split
     total = sharded + replicated
     assert per_rank["params"] == total * 2 and per_rank["grads"] == total * 2
     assert per_rank["optimizer"] == total * 12 // 4
@@ -180,7 +180,8 @@ def test_plan_counts_a_3d_stage_and_refuses_what_does_not_fit(tiny, tmp_path):
     stages = ModelParts(tiny["warm"], torch.float32, "sdpa").stage_parameters(2, 2)
     whole = ModelParts(tiny["warm"], torch.float32, "sdpa").stage_parameters(2)
     assert [w - s for w, s in zip(whole, stages)] == [per_layer_split // 2, per_layer_split // 2]
-    assert plan.per_rank["params"] == max(stages) * 4 and plan.per_rank["optimizer"] == max(stages) * 12 // 2
+    assert plan.bytes_per_rank["params"] == max(stages) * 4
+    assert plan.bytes_per_rank["optimizer"] == max(stages) * 12 // 2
     for shape, ranks, code in (("qwen2.5-1.5b", 2, 3), ("qwen2.5-0.5b", 1, 0)):
         model = tmp_path / shape
         run([PYTHON, "tools/make_tiny_model.py", "--shape", shape, "--config-only", "--out", str(model)])

@@ -111,8 +111,8 @@ def test_report_without_metrics_names_the_fix(tmp_path):
 
 
 def test_report_to_names_are_checked(tiny, tmp_path):
-    from megagrpo.validation import load_config
     from megagrpo.config.schema import ConfigError
+    from megagrpo.validation import load_config
     base = tiny_overrides(tiny, tmp_path)
     assert load_config("configs/tiny_arith.yaml", base + ["report_to=none"]).logging.report_to == []
     assert load_config("configs/tiny_arith.yaml", base + ["report_to=wandb"]).logging.report_to == ["wandb"]

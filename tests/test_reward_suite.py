@@ -50,13 +50,13 @@ def test_customer_service_by_hand():
 def test_customer_service_chat_prompts_and_components_through_compute_rewards():
     fns = _fns({"name": "customer_service", "weight": 2.0, "args": {"target": 100}})
     chat = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": QUERY}]
-    details = {}
-    total, per = compute_rewards(fns, [chat, QUERY], [NEUTRAL, ""], {}, details)
+    scored = compute_rewards(fns, [chat, QUERY], [NEUTRAL, ""], {})
+    total, per = scored.total, scored.per_function
     assert per[:, 0].tolist() == pytest.approx([0.391, 0.5 * 0 + 0.3 * 0.5 + 0.2 * 0.0])
     assert total.tolist() == pytest.approx((2 * per[:, 0]).tolist())
-    assert set(details["components"]) == {"customer_service/solved", "customer_service/friendliness",
+    assert set(scored.components) == {"customer_service/solved", "customer_service/friendliness",
                                           "customer_service/length"}
-    metrics = component_metrics(details)
+    metrics = component_metrics(scored)
     assert metrics["rewards/customer_service/solved"] == pytest.approx(0.125)
     assert metrics["rewards/customer_service/length"] == pytest.approx(0.29)
 
@@ -97,9 +97,10 @@ def test_suite_names_resolve_and_weights_combine():
     fns = _fns({"name": "think_answer_format", "weight": 0.5}, {"name": "math_accuracy"},
                {"name": "overlong_penalty", "weight": 0.1, "args": {"cache_length": 4}})
     completions = ["<think>1+1</think><answer>2</answer>", "3"]
-    total, per = compute_rewards(fns, ["q", "q"], completions,
+    scored = compute_rewards(fns, ["q", "q"], completions,
                                  {"answer": ["2", "2"], "completion_length": [10, 7],
                                   "max_new_tokens": [8, 8]})
+    total, per = scored.total, scored.per_function
     assert per.tolist() == [[1.0, 1.0, -1.0], [0.0, 0.0, -0.75]]
     assert total.tolist() == pytest.approx([0.5 + 1.0 - 0.1, -0.075])
 
@@ -140,7 +141,8 @@ def test_reward_model_scores_equal_a_plain_forward_and_combine_by_weight(tiny, t
     completions = ["2 + 2 = 4. Answer: 4", "Answer: 8", "a much longer completion that pads the batch"]
     fns = _fns({"name": "reward_model", "weight": 0.5, "args": {"path": path, "batch_size": 2}},
                {"name": "answer_match", "weight": 1.0})
-    total, per = compute_rewards(fns, prompts, completions, {"answer": ["4", "7", "2"]})
+    scored = compute_rewards(fns, prompts, completions, {"answer": ["4", "7", "2"]})
+    total, per = scored.total, scored.per_function
     expected = reference_scores(path, prompts, completions)
     assert per[:, 0].tolist() == pytest.approx(expected, abs=1e-4)
     assert len({round(v, 3) for v in expected}) == 3 and max(abs(v) for v in expected) > 0.05
@@ -163,11 +165,11 @@ def test_scores_type_and_class_rewards_get_the_config():
         fns = build_reward_functions([RewardFunctionConfig(name="probe_for_test", args={"scale": 2.0})],
                                      config="the config")
         assert fns[0].fn.config == "the config" and fns[0].args == {}
-        details = {}
-        total, _ = compute_rewards(fns, ["q", "q"], ["ab", "abcd"], {}, details)
+        scored = compute_rewards(fns, ["q", "q"], ["ab", "abcd"], {})
+        total = scored.total
         assert total.tolist() == [4.0, 8.0]
-        assert details["components"]["probe_for_test/len"].tolist() == [2.0, 4.0]
-        assert details["reasons"]["probe_for_test"] == ["", ""]
+        assert scored.components["probe_for_test/len"].tolist() == [2.0, 4.0]
+        assert scored.reasons["probe_for_test"] == ["", ""]
     finally:
         del rewards.SUITE["probe_for_test"]
     assert math.isfinite(total.sum())

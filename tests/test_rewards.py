@@ -15,7 +15,8 @@ def test_builtins_and_weights():
     fns = _fns({"name": "answer_match", "weight": 1.0}, {"name": "format", "weight": 0.5},
                {"name": "length_penalty", "weight": 0.1, "args": {"target": 10}})
     completions = ["3 + 4 = 7. Answer: 7", "Answer: 8", "seven", "Answer: 7.0"]
-    total, per = compute_rewards(fns, ["p"] * 4, completions, {"answer": ["7", "7", "7", "7"]})
+    scored = compute_rewards(fns, ["p"] * 4, completions, {"answer": ["7", "7", "7", "7"]})
+    total, per = scored.total, scored.per_function
     assert per[:, 0].tolist() == [1.0, 0.0, 0.0, 1.0]
     assert per[:, 1].tolist() == [1.0, 1.0, 0.0, 1.0]
     lengths = [len(c) for c in completions]

@@ -144,14 +144,15 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, num_tokens: float) 
 
 
 def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, *,
-              num_sequences: int, num_tokens: float, max_completion_length: int) -> torch.Tensor:
+              num_sequences: int, num_tokens: float, max_sampled_tokens: int) -> torch.Tensor:
     """Reduce a micro-batch's per-token loss to its share of the optimizer step's loss.
 
     The normalisers describe the whole step (not the micro-batch), so the shares of any split
     into micro-batches sum to the same loss:
       grpo, sapo:  sum_i mean_t(L_it) / num_sequences
       bnpo, dapo, cispo: sum_it L_it / num_tokens  (the caller picks rank-local or global tokens)
-      dr_grpo:     sum_it L_it / (num_sequences * max_completion_length)
+      dr_grpo:     sum_it L_it / (num_sequences * max_sampled_tokens), the most tokens the model
+                   samples in one completion (max_new_tokens x max_turns)
     """
     masked = token_loss * mask
     if loss_type in ("grpo", "sapo"):
@@ -160,5 +161,5 @@ def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, *,
     if loss_type in ("bnpo", "dapo", "cispo"):
         return masked.sum() / max(num_tokens, 1.0)
     if loss_type == "dr_grpo":
-        return masked.sum() / (num_sequences * max_completion_length)
+        return masked.sum() / (num_sequences * max_sampled_tokens)
     raise ValueError(f"loss_type: unknown value {loss_type!r}")

@@ -28,6 +28,7 @@ from megagrpo.checkpoints.safetensors_writer import write_safetensors
 from megagrpo.cluster.distributed import all_reduce
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import ConfigError
+from megagrpo.policy import lora
 
 MARKER = "COMPLETE"
 ADAPTER_CONFIG = "adapter_config.json"  # in a LoRA policy's checkpoint (no base weights)
@@ -135,12 +136,13 @@ def resume_candidates(root: str, log=print) -> list[str]:
 
 
 
-def save(engine, root: str, state: TrainerState, keep_last: int, is_main: bool, rank: int,
-         reference: Optional[dict] = None, adapter_config: Optional[dict] = None) -> str:
+def save(policy, root: str, state: TrainerState, keep_last: int, topo: Topology,
+         reference: Optional[dict] = None) -> str:
     """Collective: every rank calls it. Returns the checkpoint folder. `reference`: this rank's
     parts of a moving reference model (grpo.sync_ref_model), saved beside the engine's files.
-    `adapter_config`: a LoRA policy's (PEFT's adapter_config.json); the frozen base weights
-    are left out, only the adapters and their optimizer state are saved."""
+    A LoRA policy (policy.adapter_config) saves its adapters and their optimizer state only,
+    with PEFT's adapter_config.json; the frozen base weights are left out."""
+    engine, adapter_config, is_main, rank = policy.engine, policy.adapter_config, topo.is_main, topo.rank
     step = state.step
     tag = f"step_{step:08d}"
     tmp = f"{tag}.tmp"
@@ -273,12 +275,13 @@ def load(engine, path: str, rank: int, reshard: bool = False, is_main: bool = Fa
     return read_trainer_state(path)
 
 
-def resume(engine, root: str, setting: str, topo: Topology, num_prompts: int, prompts_per_step: int,
-           zero: int, log: Callable[[str], None], lora: Optional[dict] = None) -> Optional[dict]:
+def resume(policy, root: str, setting: str, this_run: TrainerState, topo: Topology,
+           log: Callable[[str], None]) -> Optional[dict]:
     """Collective: load the checkpoint that `setting` (checkpoint.resume: auto, none or a path)
-    names into `engine`; returns its trainer state, or None to start fresh. Under auto, a
-    checkpoint that fails to load is reported and the previous complete one tried. `lora`:
-    this run's adapter settings (TrainerState.layout["lora"]), which the checkpoint's must equal."""
+    names into the policy; returns its trainer state, or None to start fresh. `this_run`: the
+    state this run would save now, which the checkpoint's must be able to continue (data,
+    layout, adapters). Under auto, a checkpoint that fails to load is reported and the previous
+    complete one tried."""
     if setting == "none":
         if complete_checkpoints(root):
             raise ConfigError(f"checkpoint.resume=none but {root} holds checkpoints of an earlier run; "
@@ -286,9 +289,9 @@ def resume(engine, root: str, setting: str, topo: Topology, num_prompts: int, pr
         return None
     candidates = resume_candidates(root, log) if setting == "auto" else [setting]
     for path in candidates:
-        reshard = _check_resumable(path, topo, num_prompts, prompts_per_step, zero, lora)
+        reshard = _check_resumable(path, this_run, topo)
         try:
-            state, error = load(engine, path, topo.rank, reshard, topo.is_main), None
+            state, error = load(policy.engine, path, topo.rank, reshard, topo.is_main), None
         except Exception as e:  # noqa: BLE001 - whatever DeepSpeed or torch.load raise
             state, error = None, e
         if not all_reduce(torch.tensor([0 if error is None else 1]), "max")[0]:
@@ -321,10 +324,11 @@ def load_reference(state: dict, rank: int) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _check_resumable(path: str, topo: Topology, num_prompts: int, prompts_per_step: int, zero: int,
-                     lora: Optional[dict] = None) -> bool:
+def _check_resumable(path: str, this_run: TrainerState, topo: Topology) -> bool:
     """Refuse a checkpoint this run cannot continue (before loading anything); returns
     whether it needs re-sharding (saved with another number of data- or tensor-parallel ranks)."""
+    num_prompts, prompts_per_step = this_run.num_prompts, this_run.prompts_per_step
+    zero, lora = this_run.layout["zero_stage"], this_run.layout["lora"]
     try:
         state = read_trainer_state(path)
     except (OSError, ValueError):
@@ -344,6 +348,17 @@ def _check_resumable(path: str, topo: Topology, num_prompts: int, prompts_per_st
         raise ConfigError(f"checkpoint '{path}' is a LoRA checkpoint saved with dp={state['dp_size']}; re-sharding "
                           f"one to dp={topo.dp_size} is not supported: resume with the same number of ranks")
     return reshard
+
+
+def export(policy, tokenizer, output_dir: str, is_main: bool) -> dict[str, str]:
+    """Collective: output_dir/hf, the policy as an HF folder (a LoRA policy's merged), and for a
+    LoRA policy also output_dir/adapter, its adapters as a PEFT folder. Returns {what: folder}."""
+    written = {"HF model": os.path.join(output_dir, "hf")}
+    export_hf(policy.hf_module, policy.full_tensors(), tokenizer, written["HF model"], is_main)
+    if policy.adapter_config:
+        written["LoRA adapter"] = os.path.join(output_dir, "adapter")
+        lora.write_adapter_folder(policy.adapter_tensors(), policy.adapter_config, written["LoRA adapter"], is_main)
+    return written
 
 
 def export_hf(module, tensors, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 2048) -> None:

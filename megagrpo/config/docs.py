@@ -11,7 +11,7 @@ import inspect
 import types
 import typing
 
-from megagrpo.config import schema
+from megagrpo.config import aliases, schema
 
 HEADER = """# Configuration
 
@@ -118,8 +118,13 @@ def markdown() -> str:
     lines += ["## TRL-style names", "",
               "Accepted at the top level of the YAML and on the command line; each lands in its section.", "",
               "| name | setting |", "| --- | --- |"]
-    lines += [f"| `{name}` | `{target}` |" for name, target in schema.ALIASES.items()]
+    lines += [f"| `{name}` | `{target}` |" for name, target in aliases.ALIASES.items()]
     lines += ["| `use_vllm` | `rollout.engine`: true is `vllm`, false is `hf` |",
               "| `max_tool_calling_iterations` | `rollout.max_turns`: tool rounds + 1 |",
               "| `use_peft` | `model.lora.r`: true is 16 (unless `lora_r` is given), false is 0 |", ""]
+    lines += ["## Former names", "",
+              "Still accepted, in the YAML and on the command line, with a line on stderr naming the new one.", "",
+              "| former | now |", "| --- | --- |"]
+    lines += [f"| `{old}` | `{new}` |" for old, new in aliases.RENAMED.items()]
+    lines += [""]
     return "\n".join(lines)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 import types
 import typing
 from typing import Any, Literal, Optional
 
 import yaml
 
-from megagrpo.config.schema import ALIASES, Config, ConfigError
+from megagrpo.config.aliases import ALIASES, RENAMED
+from megagrpo.config.schema import Config, ConfigError
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -59,6 +61,21 @@ def _apply_aliases(raw: dict) -> dict:
         lora = out.setdefault("model", {}).setdefault("lora", {})
         lora["r"] = lora.get("r", rank) if rank else 0
     return out
+
+
+def _apply_renames(raw: dict) -> None:
+    """Former setting names (aliases.RENAMED) moved to their new places, with a line saying so."""
+    for old, new in RENAMED.items():
+        section, name = old.rsplit(".", 1)
+        node = raw.get(section) if "." not in section else None
+        if not isinstance(node, dict) or name not in node:
+            continue
+        new_section, new_name = new.rsplit(".", 1)
+        target = raw.setdefault(new_section, {})
+        if new_name in target:
+            raise ConfigError(f"{old} and {new} are both set; {old} is the former name of {new}: keep only {new}")
+        target[new_name] = node.pop(name)
+        print(f"megagrpo: warning: {old} is now {new}; the old name still works", file=sys.stderr)
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -167,6 +184,7 @@ def read_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     raw = _apply_aliases(raw)
     for text in overrides:
         _set_dotted(raw, *_canonical(*parse_override(text)))
+    _apply_renames(raw)
     return _build(Config, raw, "")
 
 

@@ -71,9 +71,9 @@ def check_config(cfg: Config, training: bool = True, planning: bool = False) -> 
     require(max_len is None or max_len >= cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
             f"rollout.max_model_len: {max_len} is shorter than data.max_prompt_length + "
             f"rollout.max_new_tokens = {cfg.data.max_prompt_length + cfg.rollout.max_new_tokens}")
-    per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
-    require(per_rank % g.num_generations == 0,
-            f"grpo.per_device_train_batch_size x grpo.gradient_accumulation_steps = {per_rank} "
+    completions_per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
+    require(completions_per_rank % g.num_generations == 0,
+            f"grpo.per_device_train_batch_size x grpo.gradient_accumulation_steps = {completions_per_rank} "
             f"completions per rank per step is not divisible by grpo.num_generations = "
             f"{g.num_generations}: whole groups must stay on one rank; use a multiple of "
             f"{g.num_generations}")

@@ -12,6 +12,7 @@ micro-batching, the loss normalisers and the step's statistics.
 """
 from __future__ import annotations
 
+import os
 from typing import Iterator, Optional
 
 import torch
@@ -20,18 +21,27 @@ from megagrpo.algorithm.loss import StepStats, declare_stats
 from megagrpo.cluster.distributed import all_reduce
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import Config
-from megagrpo.policy.packing import balanced_microbatches
+from megagrpo.policy import lora
 from megagrpo.policy.batch import RolloutBatch
+from megagrpo.policy.models import DeepSpeedSettings
+from megagrpo.policy.packing import balanced_microbatches
 
 
 class Policy:
-    """The policy (a DeepSpeed engine in `self.policy`) and its frozen reference."""
+    """The policy model under its DeepSpeed engine (`self.engine`) and its frozen reference.
+    For a LoRA policy (model.lora) only the adapters train (policy/lora.py)."""
 
-    policy = None
+    engine = None
     reference = None
 
     def __init__(self, cfg: Config, topology: Topology):
         self.cfg, self.g, self.topo = cfg, cfg.grpo, topology
+        self.deepspeed = DeepSpeedSettings.from_config(cfg)
+        self.is_lora = cfg.model.lora.r > 0
+        model = cfg.model.name_or_path
+        self.base_model = os.path.abspath(model) if os.path.isdir(model) else model  # as checkpoints record it
+        # PEFT's adapter_config.json for a LoRA policy (its checkpoints and exports), else None
+        self.adapter_config = lora.adapter_config(cfg.model.lora, self.base_model) if self.is_lora else None
 
     # ---- per layout ---------------------------------------------------------------------------
 
@@ -59,6 +69,29 @@ class Policy:
         """Whether full_tensors() yields the weights on this rank."""
         raise NotImplementedError
 
+    # ---- what checkpoints and exports ask -----------------------------------------------------
+
+    @property
+    def trains_all_weights(self) -> bool:
+        """False for a LoRA policy: a step changes only its adapted layers, so a receiver that
+        already holds the rest can take full_tensors(changed_only=True)."""
+        return not self.is_lora
+
+    def layout(self) -> dict:
+        """The run's layout as a checkpoint records it (TrainerState.layout); a checkpoint
+        resumes only onto a layout that these allow (checkpoints/checkpoint.py)."""
+        return {"tp": self.topo.tp_size, "pp": self.topo.pp_size, "zero_stage": self.deepspeed.zero_stage,
+                "dtype": self.cfg.model.dtype, "lora": lora.checkpoint_entry(self.cfg.model.lora)}
+
+    @property
+    def hf_module(self) -> torch.nn.Module:
+        """The trained module, whose `config` (and generation_config) an HF export writes."""
+        return self.engine.module
+
+    def adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """A LoRA policy's adapter weights under PEFT's names; collective under ZeRO-3."""
+        return lora.adapter_tensors(self.engine.module)
+
     # ---- shared -------------------------------------------------------------------------------
 
     def _reference_parts(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -67,7 +100,7 @@ class Policy:
         (ds_persist: forward reads that copy, once gathered), its whole tensor too; else the parameter. The
         reference is built with the policy's layout, so the partitions correspond."""
         reference = getattr(self.reference, "module", self.reference)
-        policy = dict(self.policy.module.named_parameters())
+        policy = dict(self.engine.module.named_parameters())
         for name, ref_param in reference.named_parameters():
             if not hasattr(ref_param, "ds_tensor"):
                 yield name, policy[name], ref_param.data
@@ -125,7 +158,7 @@ class Policy:
             tokens = float(summed[0]) / self.topo.dp_size
         return {"num_sequences": len(batch), "num_tokens": tokens,
                 # the most sampled tokens a completion can hold: max_new_tokens per model turn
-                "max_completion_length": self.cfg.rollout.max_new_tokens * self.cfg.rollout.max_turns}
+                "max_sampled_tokens": self.cfg.rollout.max_new_tokens * self.cfg.rollout.max_turns}
 
     def new_stats(self) -> StepStats:
         stats = StepStats()
@@ -140,6 +173,6 @@ class Policy:
         loss = float(all_reduce(torch.tensor([stats.loss]), group=loss_group)[0])
         out["loss"] = loss / self.topo.dp_size / self.g.num_iterations
         out.pop("sampling/sampling_logp_difference/min", None)
-        out["learning_rate"] = self.policy.get_lr()[0]
+        out["learning_rate"] = self.engine.get_lr()[0]
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return out

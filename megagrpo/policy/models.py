@@ -1,4 +1,4 @@
-"""What both policy engines build on: the tokenizer, the DeepSpeed config filled in from ours,
+"""What both policies build on: the tokenizer, the DeepSpeed settings filled in from ours,
 the HF model with its log-prob head, and `deepspeed.initialize` with AdamW and the schedule.
 
 Weights always come from `from_pretrained`, with DeepSpeed's config registered through
@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from dataclasses import dataclass
 
 import deepspeed
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
-from megagrpo.config.deepspeed_json import read_deepspeed_config, zero_stage
+from megagrpo.config.deepspeed_json import read_deepspeed_config
 from megagrpo.config.schema import Config
 from megagrpo.dtypes import DTYPES
 from megagrpo.policy.logprobs import install_logprob_head
@@ -28,27 +29,63 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def deepspeed_config(cfg: Config) -> dict:
-    """The user's DeepSpeed JSON with batch sizes, precision, clipping and the tensor-parallel
-    size filled in from cfg."""
-    ds = read_deepspeed_config(cfg.deepspeed)
-    g = cfg.grpo
-    ds["train_micro_batch_size_per_gpu"] = g.per_device_train_batch_size
-    ds["gradient_accumulation_steps"] = g.gradient_accumulation_steps
-    ds.pop("train_batch_size", None)  # DeepSpeed derives it (micro x accumulation x dp)
-    ds["gradient_clipping"] = g.max_grad_norm
-    ds["bf16"] = {"enabled": cfg.model.dtype == "bfloat16"}
-    ds.pop("fp16", None)
-    ds.setdefault("zero_optimization", {"stage": 0})
-    if "optimizer" in ds:
-        ds["optimizer"].setdefault("params", {}).update(
-            lr=g.learning_rate, betas=[g.adam_beta1, g.adam_beta2], weight_decay=g.weight_decay)
-    if cfg.parallel.tensor_parallel_size > 1:
-        ds["tensor_parallel"] = {**ds.get("tensor_parallel", {}),
-                                 "autotp_size": cfg.parallel.tensor_parallel_size}
-    ds.setdefault("steps_per_print", 10**9)
-    ds.setdefault("wall_clock_breakdown", False)
-    return ds
+@dataclass
+class DeepSpeedSettings:
+    """The DeepSpeed config for this run, resolved once from the user's JSON and ours (batch
+    sizes, precision, clipping, tensor parallelism); the policy carries it and every builder
+    asks it, rather than reading the `deepspeed` setting again."""
+    config: dict
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "DeepSpeedSettings":
+        ds = read_deepspeed_config(cfg.deepspeed)
+        g = cfg.grpo
+        ds["train_micro_batch_size_per_gpu"] = g.per_device_train_batch_size
+        ds["gradient_accumulation_steps"] = g.gradient_accumulation_steps
+        ds.pop("train_batch_size", None)  # DeepSpeed derives it (micro x accumulation x dp)
+        ds["gradient_clipping"] = g.max_grad_norm
+        ds["bf16"] = {"enabled": cfg.model.dtype == "bfloat16"}
+        ds.pop("fp16", None)
+        ds.setdefault("zero_optimization", {"stage": 0})
+        if "optimizer" in ds:
+            ds["optimizer"].setdefault("params", {}).update(
+                lr=g.learning_rate, betas=[g.adam_beta1, g.adam_beta2], weight_decay=g.weight_decay)
+        if cfg.parallel.tensor_parallel_size > 1:
+            ds["tensor_parallel"] = {**ds.get("tensor_parallel", {}),
+                                     "autotp_size": cfg.parallel.tensor_parallel_size}
+        ds.setdefault("steps_per_print", 10**9)
+        ds.setdefault("wall_clock_breakdown", False)
+        return cls(ds)
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.config.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether AutoTP shards the model (`tensor_parallel` in the config)."""
+        return "tensor_parallel" in self.config
+
+    @property
+    def partitions_while_loading(self) -> bool:
+        """ZeRO-3 partitions parameters as they load; transformers refuses that path with
+        AutoTP, so with tensor parallelism the model loads whole and deepspeed.initialize
+        shards it (more host memory at start-up)."""
+        return self.zero_stage == 3 and not self.tensor_parallel
+
+    def for_frozen_model(self, zero3: bool = False, offload: bool = False) -> "DeepSpeedSettings":
+        """The batch, precision and pipeline keys, for a frozen model's engine (no optimizer);
+        zero3: partitioned and sharded like the policy (AutoTP kept), offload: its
+        parameters on the CPU."""
+        keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "steps_per_print", "pipeline")
+        ds = {k: self.config[k] for k in keys if k in self.config}
+        if zero3:
+            ds["zero_optimization"] = {"stage": 3}
+            if offload:
+                ds["zero_optimization"]["offload_param"] = {"device": "cpu"}
+            if self.tensor_parallel:
+                ds["tensor_parallel"] = self.config["tensor_parallel"]
+        return DeepSpeedSettings(ds)
 
 
 def lr_lambda(cfg: Config, total_steps: int):
@@ -76,19 +113,17 @@ def attention_implementation() -> str:
     return "sdpa"
 
 
-def load_model(cfg: Config, ds_config: dict):
-    """The HF model from its folder, with the log-prob head installed."""
-    # Under ZeRO-3 parameters are partitioned as they load. transformers refuses that path with
-    # AutoTP, so with tensor parallelism the model loads whole and deepspeed.initialize shards
-    # it (more host memory at start-up).
-    partition_while_loading = zero_stage(ds_config) == 3 and "tensor_parallel" not in ds_config
-    dschf = HfDeepSpeedConfig(ds_config) if partition_while_loading else None  # noqa: F841
+def load_model(cfg: Config, deepspeed_settings: DeepSpeedSettings):
+    """The HF model from its folder, with the log-prob head installed (partitioned as it loads
+    where the settings say so)."""
+    ds_config = deepspeed_settings.config
+    dschf = HfDeepSpeedConfig(ds_config) if deepspeed_settings.partitions_while_loading else None  # noqa: F841
     model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path,
                                                  dtype=DTYPES[cfg.model.dtype],
                                                  attn_implementation=attention_implementation())
     install_logprob_head(model, cfg.grpo.logprob_chunk_size)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    if "tensor_parallel" in ds_config and not tied:
+    if deepspeed_settings.tensor_parallel and not tied:
         # AutoTP follows the HF tp_plan, whose "lm_head": "colwise_gather_output" would replace
         # an untied head (a tied one DeepSpeed keeps whole) by a vocabulary-split layer, and
         # the fused log-prob head with it. The head stays replicated: this instance's plan
@@ -99,9 +134,10 @@ def load_model(cfg: Config, ds_config: dict):
     return model
 
 
-def initialize(model: torch.nn.Module, cfg: Config, ds_config: dict, total_steps: int):
+def initialize(model: torch.nn.Module, cfg: Config, deepspeed_settings: DeepSpeedSettings, total_steps: int):
     """deepspeed.initialize for training: AdamW (DeepSpeed's when the JSON names an optimizer),
     linear warmup and the configured schedule."""
+    ds_config = deepspeed_settings.config
     trained = [p for p in model.parameters() if p.requires_grad]  # a LoRA policy: its adapters only
     optimizer = None
     if "optimizer" not in ds_config:
@@ -112,9 +148,3 @@ def initialize(model: torch.nn.Module, cfg: Config, ds_config: dict, total_steps
         model=model, model_parameters=trained, optimizer=optimizer, config=ds_config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps)))
     return engine
-
-
-def inference_config(ds_config: dict) -> dict:
-    """The training config's batch, precision and pipeline keys, for a frozen model's engine."""
-    keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "steps_per_print", "pipeline")
-    return {k: ds_config[k] for k in keys if k in ds_config}

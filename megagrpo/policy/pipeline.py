@@ -1,4 +1,4 @@
-"""The pipeline engine: the HF decoder as a DeepSpeed PipelineModule (pipeline_module.py), one
+"""The pipeline policy: the HF decoder as a DeepSpeed PipelineModule (pipeline_module.py), one
 stage per tp group of a pipeline (each stage's decoder layers split over its tp ranks),
 data-parallel across pipelines (ZeRO 0 or 1).
 
@@ -19,28 +19,29 @@ from megagrpo.algorithm.loss import LossInputs, StepStats, micro_batch_loss
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import Config, GRPOConfig
 from megagrpo.policy.base import Policy
-from megagrpo.policy.models import attention_implementation, deepspeed_config, inference_config, initialize
+from megagrpo.policy.batch import RolloutBatch
+from megagrpo.policy.models import attention_implementation, initialize
 from megagrpo.policy.packing import pack
 from megagrpo.policy.pipeline_module import build_pipeline_module, gather_to_first_stage
-from megagrpo.policy.batch import RolloutBatch
 
 
 class PipelinePolicy(Policy):
     def __init__(self, cfg: Config, topology: Topology, total_steps: int):
         super().__init__(cfg, topology)
-        ds_config = deepspeed_config(cfg)
+        ds_config = self.deepspeed.config
         ds_config.pop("tensor_parallel", None)  # the stages split their own layers (no AutoTP pass)
         # each tp rank sends its stage's whole activations to the same tp rank of the next stage
         # (DeepSpeed's partitioned send assumes activation sizes fixed across micro-batches)
         ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
                                  "grad_partitioned": False}
         self._loss = _StageLoss(self.g)
-        self.policy = initialize(self._build_module(self._loss), cfg, ds_config, total_steps)
-        _clip_gradients_over_stages(self.policy, topology)
+        self.engine = initialize(self._build_module(self._loss), cfg, self.deepspeed, total_steps)
+        _clip_gradients_over_stages(self.engine, topology)
         self.reference, self._reference_loss = None, _StageLoss(self.g)
         if self.g.kl_coef > 0:  # the same stages, frozen, no optimizer state
             module = self._build_module(self._reference_loss).requires_grad_(False)
-            self.reference, _, _, _ = deepspeed.initialize(model=module, config=inference_config(ds_config))
+            frozen = self.deepspeed.for_frozen_model()
+            self.reference, _, _, _ = deepspeed.initialize(model=module, config=frozen.config)
 
     def _build_module(self, loss_fn):
         return build_pipeline_module(self.cfg, attention_implementation(), self.topo, loss_fn)
@@ -52,7 +53,7 @@ class PipelinePolicy(Policy):
 
     def logprobs(self, batch, micro_batches, reference=False) -> Optional[torch.Tensor]:
         """Known at the last stage only, which is the only one that needs them (zeros elsewhere)."""
-        engine, loss = (self.reference, self._reference_loss) if reference else (self.policy, self._loss)
+        engine, loss = (self.reference, self._reference_loss) if reference else (self.engine, self._loss)
         if engine is None:
             return None
         out = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
@@ -69,25 +70,25 @@ class PipelinePolicy(Policy):
     def optimize(self, batch, micro_batches) -> dict:
         stats = self.new_stats()
         self._loss.start_step(self.loss_normalisers(batch), stats, len(micro_batches))
-        self.policy.set_train_batch_size(len(micro_batches) * self.g.per_device_train_batch_size
+        self.engine.set_train_batch_size(len(micro_batches) * self.g.per_device_train_batch_size
                                          * self.topo.dp_size)
         try:
             for _ in range(self.g.num_iterations):
-                self.policy.train_batch(iter(self._items(batch, micro_batches)))
+                self.engine.train_batch(iter(self._items(batch, micro_batches)))
         finally:
             self._loss.collect()
         # only the last stage holds the loss (each of its tp ranks a copy, counted once): its
         # sum runs over every rank
         if self.topo.tp_rank != 0:
             stats.loss = 0.0
-        return self.step_metrics(stats, None, self.policy.get_global_grad_norm())
+        return self.step_metrics(stats, None, self.engine.get_global_grad_norm())
 
     @property
     def holds_full_tensors(self) -> bool:
         return self.topo.samples_rollout  # the stages stream their layers to the group's first rank
 
     def full_tensors(self, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        return gather_to_first_stage(self.policy.module, self.topo)
+        return gather_to_first_stage(self.engine.module, self.topo)
 
 
 def _micro_batch_item(mb: RolloutBatch, share: float, one_row: bool = False):

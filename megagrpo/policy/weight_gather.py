@@ -9,7 +9,6 @@ the stream to the end: the gathers are collectives.
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Iterator
 
 import deepspeed

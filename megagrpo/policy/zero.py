@@ -1,4 +1,4 @@
-"""The DeepSpeed engine: the HF model under ZeRO 0-3, optionally tensor-parallel (AutoTP).
+"""The ZeRO policy: the HF model under DeepSpeed ZeRO 0-3, optionally tensor-parallel (AutoTP).
 
 Every rank runs the same micro-batches through `deepspeed.initialize`'s engine: forward (the
 fused log-prob head, logprobs.py), the GRPO loss (algorithm/loss.py), backward with gradient
@@ -15,45 +15,37 @@ import torch
 
 from megagrpo.algorithm.loss import LossInputs, micro_batch_loss
 from megagrpo.cluster.topology import Topology
-from megagrpo.config.deepspeed_json import zero_stage
 from megagrpo.config.schema import Config
 from megagrpo.policy import lora
 from megagrpo.policy.base import Policy
-from megagrpo.policy.logprobs import completion_logprobs
-from megagrpo.policy.models import deepspeed_config, inference_config, initialize, load_model
 from megagrpo.policy.batch import RolloutBatch
+from megagrpo.policy.logprobs import completion_logprobs
+from megagrpo.policy.models import initialize, load_model
 from megagrpo.policy.weight_gather import named_full_tensors
 
 
 class ZeroPolicy(Policy):
     def __init__(self, cfg: Config, topology: Topology, total_steps: int):
         super().__init__(cfg, topology)
-        self.ds_config = deepspeed_config(cfg)
-        self.is_lora = cfg.model.lora.r > 0
-        model = load_model(cfg, self.ds_config)
+        model = load_model(cfg, self.deepspeed)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
         if self.is_lora:
             model = lora.add_adapters(model, cfg.model.lora, self.g.seed)
-        self.policy = initialize(model, cfg, self.ds_config, total_steps)
+        self.engine = initialize(model, cfg, self.deepspeed, total_steps)
         self.reference = self._build_reference() if self.g.kl_coef > 0 and not self.is_lora else None
 
     def _build_reference(self):
         """A ZeRO-3 inference engine (partitioned and sharded like the policy, optionally
         offloaded to CPU) when the policy uses ZeRO-3; else a plain eval module."""
-        if zero_stage(self.ds_config) != 3:
+        if self.deepspeed.zero_stage != 3:
             from deepspeed.accelerator import get_accelerator
-            model = load_model(self.cfg, self.ds_config).eval().requires_grad_(False)
+            model = load_model(self.cfg, self.deepspeed).eval().requires_grad_(False)
             return model.to(get_accelerator().current_device_name())
-        ref_config = inference_config(self.ds_config)
-        ref_config["zero_optimization"] = {"stage": 3}
-        if "tensor_parallel" in self.ds_config:  # the reference is sharded like the policy
-            ref_config["tensor_parallel"] = self.ds_config["tensor_parallel"]
-        if self.cfg.model.ref_offload:
-            ref_config["zero_optimization"]["offload_param"] = {"device": "cpu"}
-        model = load_model(self.cfg, ref_config).eval().requires_grad_(False)
-        engine, _, _, _ = deepspeed.initialize(model=model, config=ref_config)
+        settings = self.deepspeed.for_frozen_model(zero3=True, offload=self.cfg.model.ref_offload)
+        model = load_model(self.cfg, settings).eval().requires_grad_(False)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=settings.config)
         engine.eval()
         return engine
 
@@ -65,9 +57,9 @@ class ZeroPolicy(Policy):
         if reference and self.is_lora:  # the base model: the policy with its adapters off
             if self.g.kl_coef == 0:
                 return None
-            with lora.adapters_disabled(self.policy.module):
-                return self._logprobs(self.policy, batch, micro_batches)
-        model = self.reference if reference else self.policy
+            with lora.adapters_disabled(self.engine.module):
+                return self._logprobs(self.engine, batch, micro_batches)
+        model = self.reference if reference else self.engine
         return None if model is None else self._logprobs(model, batch, micro_batches)
 
     def _logprobs(self, model, batch, micro_batches) -> torch.Tensor:
@@ -82,21 +74,21 @@ class ZeroPolicy(Policy):
 
     def optimize(self, batch, micro_batches) -> dict:
         stats, normalisers = self.new_stats(), self.loss_normalisers(batch)
-        self.policy.train()
+        self.engine.train()
         grad_norm = None
         for _ in range(self.g.num_iterations):
             for i, rows in enumerate(micro_batches):
-                self.policy.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+                self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
                 # a rank with fewer sequences than micro-batches still runs the forward
                 # (ZeRO-3 gathers are collective) and contributes zero
                 mb, share = (batch.select(rows), 1.0) if rows else (batch.select([0]), 0.0)
-                logp, entropy = self._forward(self.policy, mb)
+                logp, entropy = self._forward(self.engine, mb)
                 inputs = LossInputs(mb.completion_mask, mb.advantages, mb.sampler_logp, mb.old_logp, mb.ref_logp)
                 loss = micro_batch_loss(self.g, logp, entropy, inputs, normalisers, share, stats if rows else None)
-                self.policy.backward(loss, scale_wrt_gas=False)
+                self.engine.backward(loss, scale_wrt_gas=False)
             grad_norm = self._grad_norm_before_step()
-            self.policy.step()
-        reported = self.policy.get_global_grad_norm()
+            self.engine.step()
+        reported = self.engine.get_global_grad_norm()
         return self.step_metrics(stats, self.topo.dp_group, reported if reported is not None else grad_norm)
 
     def _grad_norm_before_step(self) -> Optional[float]:
@@ -105,12 +97,12 @@ class ZeroPolicy(Policy):
         squares are summed over the tp group, so a replicated tensor (embeddings, norms, LM
         head) counts on tp rank 0 only and a split one on every rank, as DeepSpeed's own
         clip_grad_norm_ counts them; counting all on every rank overstated the norm."""
-        if zero_stage(self.ds_config) != 0 or self.cfg.model.dtype != "float32":
+        if self.deepspeed.zero_stage != 0 or self.cfg.model.dtype != "float32":
             return None
         from deepspeed.runtime.utils import get_global_norm_of_tensors, is_model_parallel_parameter
-        mpu = self.policy.mpu
+        mpu = self.engine.mpu
         first = mpu is None or mpu.get_model_parallel_rank() == 0
-        grads = [p.grad for p in self.policy.module.parameters()
+        grads = [p.grad for p in self.engine.module.parameters()
                  if p.grad is not None and (first or is_model_parallel_parameter(p))]
         if not grads and mpu is None:
             return 0.0
@@ -121,5 +113,5 @@ class ZeroPolicy(Policy):
 
     def full_tensors(self, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         if self.is_lora:
-            return lora.merged_full_tensors(self.policy.module, self.cfg.rollout.sync_bucket_mb, changed_only)
-        return named_full_tensors(self.policy.module, self.cfg.rollout.sync_bucket_mb)
+            return lora.merged_full_tensors(self.engine.module, self.cfg.rollout.sync_bucket_mb, changed_only)
+        return named_full_tensors(self.engine.module, self.cfg.rollout.sync_bucket_mb)

@@ -16,7 +16,7 @@ import importlib
 import inspect
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -168,14 +168,37 @@ def _sample(prompts, completions, i) -> str:
     return f"sample {i} (prompt {str(prompts[i])[:80]!r}, completion {completions[i][:80]!r})"
 
 
+@dataclass
+class Rewards:
+    """What the reward functions gave N completions: the weighted total (N,), the per-function
+    matrix (N, F), and from functions that return Scores their `components`
+    {"<fn>/<component>": (N,)} and `reasons` {"<fn>": [str] * N}."""
+    total: torch.Tensor
+    per_function: torch.Tensor
+    components: dict = field(default_factory=dict)
+    reasons: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.total)
+
+    def select(self, rows: list[int]) -> "Rewards":
+        return Rewards(self.total[rows], self.per_function[rows],
+                       {k: v[rows] for k, v in self.components.items()},
+                       {k: [v[i] for i in rows] for k, v in self.reasons.items()})
+
+    def concat(self, other: "Rewards") -> "Rewards":
+        components = {k: torch.cat([v, other.components[k]]) if k in other.components else v
+                      for k, v in self.components.items()}
+        reasons = {k: v + other.reasons.get(k, []) for k, v in self.reasons.items()}
+        return Rewards(torch.cat([self.total, other.total]), torch.cat([self.per_function, other.per_function]),
+                       {**other.components, **components}, {**other.reasons, **reasons})
+
+
 def compute_rewards(functions: list[RewardFunction], prompts: list, completions: list[str],
-                    fields: dict[str, list], details: Optional[dict] = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (weighted total (N,), per-function matrix (N, F)), all float32 and finite.
-    With `details` (a dict), fills details["components"] {"<fn>/<component>": (N,)} and
-    details["reasons"] {"<fn>": [str] * N} from functions that return Scores."""
+                    fields: dict[str, list]) -> Rewards:
+    """Every function on every completion; all values float32 and finite (else RewardError)."""
     n = len(completions)
-    columns = []
+    columns, components, reasons = [], {}, {}
     for rf in functions:
         try:
             raw = rf.fn(prompts, completions, **fields, **rf.args)
@@ -191,22 +214,21 @@ def compute_rewards(functions: list[RewardFunction], prompts: list, completions:
                 raise RewardError(f"reward function '{rf.name}' returned {v!r} for "
                                   f"{_sample(prompts, completions, i)}; rewards must be finite floats")
         columns.append(torch.tensor(values, dtype=torch.float32))
-        if details is not None and isinstance(raw, Scores):
+        if isinstance(raw, Scores):
             for key, column in raw.components.items():
-                details.setdefault("components", {})[f"{rf.name}/{key}"] = torch.tensor(
-                    [float(v) for v in column], dtype=torch.float32)
-            details.setdefault("reasons", {})[rf.name] = raw.reasons
+                components[f"{rf.name}/{key}"] = torch.tensor([float(v) for v in column], dtype=torch.float32)
+            reasons[rf.name] = raw.reasons
     per_function = torch.stack(columns, dim=1) if columns else torch.zeros(n, 0)
     weights = torch.tensor([rf.weight for rf in functions], dtype=torch.float32)
-    return per_function @ weights, per_function
+    return Rewards(per_function @ weights, per_function, components, reasons)
 
 
-def component_metrics(details: dict, group=None) -> dict:
+def component_metrics(rewards: Rewards, group=None) -> dict:
     """`rewards/<fn>/<component>` means over the ranks of `group` (every rank runs the same
     functions, so every rank has the same component names)."""
     from megagrpo.cluster.distributed import all_reduce
 
-    components = details.get("components", {})
+    components = rewards.components
     if not components:
         return {}
     keys = sorted(components)

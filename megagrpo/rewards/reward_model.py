@@ -41,12 +41,11 @@ class RewardModel:
         dtype = torch.float32
         ds_config, stage = None, 0
         if config is not None:
-            from megagrpo.config.deepspeed_json import zero_stage
             from megagrpo.dtypes import DTYPES
-            from megagrpo.policy.models import deepspeed_config
+            from megagrpo.policy.models import DeepSpeedSettings
             dtype = DTYPES[config.model.dtype]
-            ds_config = deepspeed_config(config)
-            stage = zero_stage(ds_config)
+            settings = DeepSpeedSettings.from_config(config)
+            ds_config, stage = settings.config, settings.zero_stage
         self.collective = stage == 3 and torch.distributed.is_initialized()
         if self.collective:
             import deepspeed

@@ -12,13 +12,12 @@ from megagrpo.cluster.distributed import all_reduce
 @dataclass
 class SampledGroups:
     """A step's groups as sampled and scored: per completion its prompt, the completion, the
-    text the rewards read, the reward and per-function rewards, and the rewards' details."""
+    text the rewards read, and what the rewards gave them (rewards.Rewards: total,
+    per-function, components, reasons; anything with len, select(rows) and concat(other))."""
     prompts: list
     completions: list
     texts: list
-    rewards: torch.Tensor
-    per_function: torch.Tensor
-    details: dict
+    rewards: "Rewards"  # noqa: F821 - megagrpo.rewards.Rewards, a package above this one
     group_size: int
     metrics: dict = field(default_factory=dict)
 
@@ -28,31 +27,20 @@ class SampledGroups:
 
     def select(self, groups: list[int]) -> "SampledGroups":
         rows = [g * self.group_size + j for g in groups for j in range(self.group_size)]
-        details = {"components": {k: v[rows] for k, v in self.details.get("components", {}).items()},
-                   "reasons": {k: [v[i] for i in rows] for k, v in self.details.get("reasons", {}).items()}}
         return SampledGroups([self.prompts[i] for i in rows], [self.completions[i] for i in rows],
-                             [self.texts[i] for i in rows], self.rewards[rows], self.per_function[rows],
-                             {k: v for k, v in details.items() if v}, self.group_size)
+                             [self.texts[i] for i in rows], self.rewards.select(rows), self.group_size)
 
     def informative(self) -> "SampledGroups":
         """The groups whose rewards are not all equal (the others have no advantage)."""
-        spread = self.rewards.view(-1, self.group_size).std(dim=1) > 1e-6
+        spread = self.rewards.total.view(-1, self.group_size).std(dim=1) > 1e-6
         return self.select(spread.nonzero().flatten().tolist())
 
     def first(self, count: int) -> "SampledGroups":
         return self.select(list(range(count)))
 
     def concat(self, other: "SampledGroups") -> "SampledGroups":
-        details = {key: {**self.details.get(key, {})} for key in ("components", "reasons")}
-        for name, values in other.details.get("components", {}).items():
-            mine = details["components"].get(name)
-            details["components"][name] = values if mine is None else torch.cat([mine, values])
-        for name, values in other.details.get("reasons", {}).items():
-            details["reasons"][name] = details["reasons"].get(name, []) + values
         return SampledGroups(self.prompts + other.prompts, self.completions + other.completions,
-                             self.texts + other.texts, torch.cat([self.rewards, other.rewards]),
-                             torch.cat([self.per_function, other.per_function]),
-                             {k: v for k, v in details.items() if v}, self.group_size)
+                             self.texts + other.texts, self.rewards.concat(other.rewards), self.group_size)
 
 
 def sample_informative_groups(sample_round: Callable[[int], SampledGroups], share: int, max_rounds: int,

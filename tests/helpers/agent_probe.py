@@ -19,10 +19,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import agent_tools
 
 from megagrpo.cluster.distributed import init_distributed
-from megagrpo.validation import load_config
 from megagrpo.policy.batch import make_batch
 from megagrpo.rollout.generators import sampling_seed
 from megagrpo.train import Trainer, parse_args
+from megagrpo.validation import load_config
 
 
 def main():
@@ -30,13 +30,13 @@ def main():
     cfg = load_config(args.config, args.overrides)
     topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size)
     trainer = Trainer(cfg, topology)
-    trainer.sync_rollout_weights()
+    trainer.sync_generator_weights()
     metrics = []
     for _ in range(steps):
         metrics.append(trainer.train_step())
         trainer.step += 1
 
-    calls, generate = [], trainer.rollout.generate
+    calls, generate = [], trainer.generator.generate
 
     def recording_generate(prompt_ids, n, seeds, greedy=False, max_tokens=None):
         out = generate(prompt_ids, n=n, seeds=seeds, greedy=greedy, max_tokens=max_tokens)
@@ -44,7 +44,7 @@ def main():
                                                          for c in group] for group in out]})
         return out
 
-    trainer.rollout.generate = recording_generate
+    trainer.generator.generate = recording_generate
     created_before, closed_before = agent_tools.NumberGame.created, agent_tools.NumberGame.closed_count
     indices = trainer.sampler.next_indices()
     prompts = [trainer.prompts[i] for i in indices]
@@ -53,9 +53,9 @@ def main():
     trajectories = [t for group in groups for t in group]
     batch = make_batch([p.token_ids for p in prompts for _ in range(n)], trajectories,
                        torch.zeros(len(trajectories)), trainer.tokenizer.pad_token_id)
-    trainer.engine.policy.eval()
+    trainer.policy.engine.eval()
     with torch.no_grad():
-        trainer_logp = trainer.engine.logprobs(batch, trainer.engine.micro_batches(batch))
+        trainer_logp = trainer.policy.logprobs(batch, trainer.policy.micro_batches(batch))
     prompt_ids, completion_ids = batch.sequences()
     rows = [{"prompt": p, "completion": c, "mask": batch.completion_mask[i, :len(c)].tolist(),
              "messages": t.messages, "ended_by": t.ended_by, "turns": t.turns, "tool_calls": t.tool_calls,
@@ -69,8 +69,8 @@ def main():
     os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, f"agent_rank{topology.rank}.json"), "w") as f:
         json.dump(result, f)
-    if trainer.toolset:
-        trainer.toolset.close()
+    if trainer.stack.toolset:
+        trainer.stack.toolset.close()
     torch.distributed.barrier()
 
 

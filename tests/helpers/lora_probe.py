@@ -17,12 +17,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megagrpo.cluster.distributed import init_distributed
-from megagrpo.validation import load_config
 from megagrpo.dtypes import DTYPES
-from megagrpo.policy.logprobs import completion_logprobs, install_logprob_head
 from megagrpo.policy.batch import Completion, make_batch
+from megagrpo.policy.logprobs import completion_logprobs, install_logprob_head
 from megagrpo.rollout.weight_sync import sync_weights
 from megagrpo.train import Trainer, parse_args
+from megagrpo.validation import load_config
 
 COMPLETION_TEXT = "3 + 4 = 7. Answer: 7"
 
@@ -50,7 +50,7 @@ def main():
     cfg = load_config(args.config, args.overrides)
     topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size)
     trainer = Trainer(cfg, topology)
-    policy = trainer.engine.policy
+    policy = trainer.policy.engine
     prompt = trainer.prompts[0].token_ids
     completion = trainer.tokenizer(COMPLETION_TEXT, add_special_tokens=False)["input_ids"]
     completion.append(trainer.tokenizer.eos_token_id)
@@ -58,7 +58,7 @@ def main():
                        torch.zeros(1), trainer.tokenizer.pad_token_id)
 
     def trainer_logprobs(reference=False):
-        return trainer.engine.logprobs(batch, [[0]], reference=reference)[0].tolist()
+        return trainer.policy.logprobs(batch, [[0]], reference=reference)[0].tolist()
 
     base = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=DTYPES[cfg.model.dtype]).eval()
     install_logprob_head(base, cfg.grpo.logprob_chunk_size)
@@ -72,18 +72,18 @@ def main():
               "optimizer_state_numel": optimizer_state_numel(policy.optimizer),
               "trained_numel": sum(t.numel() for t in adapters_before.values()),
               "frozen_numel": sum(t.numel() for t in frozen_before.values())}
-    trainer.sync_rollout_weights()  # the first sync: every weight
+    trainer.sync_generator_weights()  # the first sync: every weight
     for _ in range(3):
         metrics = trainer.train_step()  # ends with the sync of the adapted layers only
         trainer.step += 1
         row = {"grad_norm": metrics["grad_norm"], "trainer": trainer_logprobs(),
-               "engine": trainer.rollout.score(prompt + completion, len(prompt)),
+               "engine": trainer.generator.score(prompt + completion, len(prompt)),
                "reference": trainer_logprobs(reference=True),
-               "sent_changed_only": sorted(n for n, _ in trainer.engine.full_tensors(changed_only=True))}
-        sync_weights(trainer.engine.full_tensors(), trainer.rollout)
-        row["engine_full_sync"] = trainer.rollout.score(prompt + completion, len(prompt))
+               "sent_changed_only": sorted(n for n, _ in trainer.policy.full_tensors(changed_only=True))}
+        sync_weights(trainer.policy.full_tensors(), trainer.generator)
+        row["engine_full_sync"] = trainer.generator.score(prompt + completion, len(prompt))
         result["steps"].append(row)
-    result["sent_full"] = sorted(n for n, _ in trainer.engine.full_tensors())
+    result["sent_full"] = sorted(n for n, _ in trainer.policy.full_tensors())
     frozen_after = whole_parameters(policy.module, trained=False)
     adapters_after = whole_parameters(policy.module, trained=True)
     result["optimizer_state_numel"] = optimizer_state_numel(policy.optimizer)

@@ -13,8 +13,8 @@ import deepspeed
 import torch
 
 from megagrpo.cluster.topology import Topology
-from megagrpo.validation import load_config
 from megagrpo.policy.pipeline_module import build_pipeline_module
+from megagrpo.validation import load_config
 
 
 def main():

@@ -10,8 +10,8 @@ import deepspeed
 import torch
 
 from megagrpo.cluster.distributed import init_distributed
-from megagrpo.validation import load_config
 from megagrpo.train import Trainer, parse_args
+from megagrpo.validation import load_config
 
 
 def whole(module) -> dict:
@@ -25,13 +25,13 @@ def main():
     cfg = load_config(args.config, args.overrides)
     topology = init_distributed()
     trainer = Trainer(cfg, topology)
-    trainer.sync_rollout_weights()
-    records = [{"policy": whole(trainer.engine.policy.module), "reference": whole(trainer.engine.reference.module)}]
+    trainer.sync_generator_weights()
+    records = [{"policy": whole(trainer.policy.engine.module), "reference": whole(trainer.policy.reference.module)}]
     for _ in range(3):
         trainer.train_step()
         trainer.step += 1
-        records.append({"policy": whole(trainer.engine.policy.module),
-                        "reference": whole(trainer.engine.reference.module)})
+        records.append({"policy": whole(trainer.policy.engine.module),
+                        "reference": whole(trainer.policy.reference.module)})
     if topology.is_main:
         os.makedirs(cfg.output_dir, exist_ok=True)
         torch.save(records, os.path.join(cfg.output_dir, "reference_probe.pt"))

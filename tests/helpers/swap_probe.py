@@ -9,10 +9,10 @@ import os
 import torch
 
 from megagrpo.cluster.distributed import init_distributed
-from megagrpo.validation import load_config
-from megagrpo.policy.logprobs import completion_logprobs
 from megagrpo.policy.batch import Completion, make_batch
+from megagrpo.policy.logprobs import completion_logprobs
 from megagrpo.train import Trainer, parse_args
+from megagrpo.validation import load_config
 
 # The fixed completion: its tokens under the run's tokenizer, then EOS. The probe writes the text
 # and the token ids, so that the test derives how many log-probs each side must give.
@@ -31,16 +31,16 @@ def main():
                        torch.zeros(1), trainer.tokenizer.pad_token_id)
 
     def trainer_logprobs():
-        trainer.engine.policy.eval()
+        trainer.policy.engine.eval()
         with torch.no_grad():
-            return completion_logprobs(trainer.engine.policy, batch, 1.0)[0][0].tolist()
+            return completion_logprobs(trainer.policy.engine, batch, 1.0)[0][0].tolist()
 
-    trainer.sync_rollout_weights()
+    trainer.sync_generator_weights()
     result = {"completion_text": COMPLETION_TEXT, "completion": completion,
-              "engine_before": trainer.rollout.score(prompt + completion, len(prompt)),
+              "engine_before": trainer.generator.score(prompt + completion, len(prompt)),
               "trainer_before": trainer_logprobs()}
     metrics = trainer.train_step()
-    result.update(engine_after=trainer.rollout.score(prompt + completion, len(prompt)),
+    result.update(engine_after=trainer.generator.score(prompt + completion, len(prompt)),
                   trainer_after=trainer_logprobs(), grad_norm=metrics["grad_norm"])
     os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, f"swap_rank{topology.rank}.json"), "w") as f:
