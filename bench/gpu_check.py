@@ -1,9 +1,8 @@
-"""The GPU checks behind bench/gpu_check.sh (and tests/test_gpu.py): one prepared run on a machine
-with an NVIDIA GPU, each check in its own process under its own time limit.
+"""The GPU checks: what tests/test_gpu.py runs (bench/gpu_check.sh runs those tests), each step
+in a process of its own: a CUDA context, a vLLM engine or a process group lives as long as its
+step and no longer, and a step that hangs is killed with its children.
 
-    python bench/gpu_check.py plan                             # the steps, in order, with their time limits
     python bench/gpu_check.py step NAME --work DIR [--budget S]  # run one step, write DIR/parts/NAME.json
-    python bench/gpu_check.py merge --work DIR --out FILE      # the parts (and the shell's exit codes) as one JSON
 
 Steps: env (what is installed: a CUDA torch, vllm's CUDA build, flash_attn, deepspeed, ...),
 prepare (the demo task and tiny models, tools/make_demo_data.py and tools/make_tiny_model.py),
@@ -22,7 +21,7 @@ then the checks:
 Every entry is {"ok": bool, "seconds": float, ...numbers..., "error": str or None}. A check
 that cannot run here says why and runs nothing: "no CUDA: ..." without a CUDA device,
 "missing: ..." without a package it needs (nothing is downloaded). Nothing falls back to CPU.
-Only the standard library is imported at the top: `merge` and `plan` run without torch.
+Only the standard library is imported at the top: the tests load this file on any machine.
 """
 from __future__ import annotations
 
@@ -37,7 +36,6 @@ import platform
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ["vllm_sleep", "flash_logprobs", "grpo_zero3", "weight_sync", "nccl"]
 STEPS = ["env", "prepare"] + CHECKS
-# seconds per step (bench/gpu_check.sh also keeps the whole run under its budget, 580 s by default)
+# each step's time limit in run_isolated (bench/gpu_check.sh keeps the whole run under its budget, 580 s)
 TIMEOUTS = {"env": 45, "prepare": 90, "vllm_sleep": 120, "flash_logprobs": 60, "grpo_zero3": 180,
             "weight_sync": 120, "nccl": 45}
 # what each step needs besides the standard library ("cuda": a CUDA device seen by torch;
@@ -394,10 +392,11 @@ def check_grpo_zero3(work: Path, deadline: float) -> dict:
         import megagrpo.train  # noqa: F401  (every module the trainer imports)
     except ModuleNotFoundError as e:
         raise Missing(f"{e.name} (megagrpo.train imports it)") from e
+    from megagrpo.cluster.distributed import free_port
     engine = "hf" if vllm_problem() else "vllm"
     run_dir = work / "grpo"
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(free_port()),
            "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
            f"model.name_or_path={work / 'model'}", f"data.train_file={work / 'data' / 'train.jsonl'}",
            f"data.eval_file={work / 'data' / 'eval.jsonl'}", f"output_dir={run_dir}", "checkpoint.resume=none",
@@ -445,8 +444,8 @@ def check_weight_sync(work: Path) -> dict:
 
     from megagrpo.cluster.distributed import init_distributed
     from megagrpo.config.schema import Config, ModelConfig, RolloutConfig
-    from megagrpo.rollout.generators import VLLMGenerator
     from megagrpo.policy.weight_gather import named_full_tensors
+    from megagrpo.rollout.generators import VLLMGenerator
     from megagrpo.rollout.weight_sync import sync_weights
 
     path = str(work / "sync_model")
@@ -603,7 +602,7 @@ def run_step(name: str, work, budget: float = None) -> dict:
         if problems:  # nothing runs: the entry says why
             entry.update(error="; ".join(problems), skipped=True)
         else:
-            # the step's own subprocesses stop a little before the shell's `timeout` would strike
+            # the step's own subprocesses stop a little before run_isolated's time limit would strike
             margin = min(15.0, budget / 4)
             kwargs = {"deadline": time.monotonic() + budget - margin} if name in WITH_DEADLINE else {}
             entry.update(FUNCTIONS[name](work, **kwargs))
@@ -616,8 +615,9 @@ def run_step(name: str, work, budget: float = None) -> dict:
 
 
 def run_isolated(name: str, work, timeout: float = None) -> dict:
-    """Run one step in its own process (as bench/gpu_check.sh does, there under `timeout`) and
-    return its entry; on timeout the whole process group is killed and the entry says so."""
+    """Run one step in a process of its own under `timeout` (default: its TIMEOUTS) and return its
+    entry, also written back to work/parts/NAME.json; on timeout the whole process group is
+    killed and the entry says so."""
     work = Path(work)
     timeout = timeout or TIMEOUTS[name]
     (work / "logs").mkdir(parents=True, exist_ok=True)
@@ -634,15 +634,15 @@ def run_isolated(name: str, work, timeout: float = None) -> dict:
             rc = 124
         finally:
             _kill_group(proc)
-    return _entry_from(name, work, rc, time.perf_counter() - start, timeout)
+    entry = _entry_from(name, work, rc, time.perf_counter() - start, timeout)
+    part.parent.mkdir(parents=True, exist_ok=True)
+    part.write_text(json.dumps(_json_safe(entry), indent=1))
+    return entry
 
 
-def _entry_from(name: str, work: Path, rc, wall: float, timeout: float) -> dict:
+def _entry_from(name: str, work: Path, rc: int, wall: float, timeout: float) -> dict:
     """The step's entry as it wrote it, or one that says why there is none."""
     part = work / "parts" / f"{name}.json"
-    if rc == "skipped":
-        return {"ok": False, "seconds": 0.0, "error": "not run: the run's time budget was spent by the steps before"}
-    rc = int(rc)
     if part.exists():
         entry = json.loads(part.read_text())
         if rc != 0:
@@ -702,12 +702,6 @@ def _kill_group(proc) -> None:
     proc.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _json_safe(value):
     """NaN and infinity as strings (JSON has neither), everything else as it is."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -719,71 +713,35 @@ def _json_safe(value):
     return value
 
 
-def merge(work: Path, out_path: Path) -> dict:
-    """Every step's entry in one JSON: the parts the steps wrote, completed from the shell's
-    exit codes (work/status.tsv: name, exit code or "skipped", seconds, time limit)."""
-    status = {}
-    status_file = work / "status.tsv"
-    if status_file.exists():
-        for line in status_file.read_text().splitlines():
-            name, rc, seconds, limit = line.split("\t")
-            status[name] = (rc, float(seconds), float(limit))
-    entries = {}
-    for name in STEPS:
-        if name in status:
-            entries[name] = _entry_from(name, work, *status[name])
-        elif (work / "parts" / f"{name}.json").exists():
-            entries[name] = json.loads((work / "parts" / f"{name}.json").read_text())
-        else:
-            entries[name] = {"ok": False, "seconds": 0.0, "error": "not run"}
-    result = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(), "work": str(work),
-              "environment": entries["env"], "prepare": entries["prepare"],
-              "checks": {name: entries[name] for name in CHECKS}}
-    result["summary"] = {"ok": [n for n in CHECKS if entries[n].get("ok")],
-                         "failed": [n for n in CHECKS if not entries[n].get("ok")]}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(_json_safe(result), indent=1) + "\n")
-    return result
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("plan", help="print the steps in order with their time limits (seconds)")
     s = sub.add_parser("step", help="run one step, write WORK/parts/NAME.json")
     s.add_argument("name", choices=STEPS)
     s.add_argument("--work", required=True)
     s.add_argument("--budget", type=float, default=None, help="seconds this step has (default: its TIMEOUTS)")
-    m = sub.add_parser("merge", help="write every step's entry as one JSON")
-    m.add_argument("--work", required=True)
-    m.add_argument("--out", required=True)
     w = sub.add_parser("nccl-worker", help="internal: one torchrun rank of the nccl check")
     w.add_argument("--result", required=True)
     args = p.parse_args(argv)
 
-    if args.command == "plan":
-        for name in STEPS:
-            print(name, TIMEOUTS[name])
-    elif args.command == "nccl-worker":
+    if args.command == "nccl-worker":
         nccl_worker(args.result)
-    elif args.command == "merge":
-        merge(Path(args.work), Path(args.out))
-    else:
-        budget = args.budget or TIMEOUTS[args.name]
-        parts = Path(args.work) / "parts"
-        parts.mkdir(parents=True, exist_ok=True)
-        (parts / f"{args.name}.json").unlink(missing_ok=True)  # a part left by an earlier run is not this one's
-        # stacks of every thread into the log shortly before the shell's `timeout` would kill us
-        faulthandler.dump_traceback_later(max(5.0, budget - 8), exit=False)
-        # `timeout` sends SIGTERM first: unwind, so that child process groups are killed
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        entry = run_step(args.name, args.work, budget)
-        (parts / f"{args.name}.json").write_text(json.dumps(entry, indent=1))
-        state = "ok" if entry["ok"] else f"FAILED: {entry['error']}"
-        print(f"gpu_check {args.name}: {state} ({entry['seconds']:.1f} s)", flush=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # no interpreter teardown: vLLM and NCCL can hang in it; the result is written
+        return
+    budget = args.budget or TIMEOUTS[args.name]
+    parts = Path(args.work) / "parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    (parts / f"{args.name}.json").unlink(missing_ok=True)  # a part left by an earlier run is not this one's
+    # stacks of every thread into the log shortly before the runner's time limit would kill us
+    faulthandler.dump_traceback_later(max(5.0, budget - 8), exit=False)
+    # `timeout` sends SIGTERM first: unwind, so that child process groups are killed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    entry = run_step(args.name, args.work, budget)
+    (parts / f"{args.name}.json").write_text(json.dumps(entry, indent=1))
+    state = "ok" if entry["ok"] else f"FAILED: {entry['error']}"
+    print(f"gpu_check {args.name}: {state} ({entry['seconds']:.1f} s)", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: vLLM and NCCL can hang in it; the result is written
 
 
 if __name__ == "__main__":

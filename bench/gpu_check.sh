@@ -2,16 +2,20 @@
 # The GPU checks, as one prepared run for a machine with an NVIDIA GPU (no internet needed):
 # vLLM sleep/wake around a train step, flash-attn packed log-probs against SDPA padded ones,
 # 2 bf16 ZeRO-3 GRPO steps through the DeepSpeed launcher, weight-sync GB/s against a
-# device-to-device copy, NCCL collectives. Each step runs in its own process under `timeout`;
-# the whole run stays under GPU_CHECK_BUDGET_S (580 s). What each step does: bench/gpu_check.py.
+# device-to-device copy, NCCL collectives. They are the tests of tests/test_gpu.py (marker gpu;
+# the checks themselves: bench/gpu_check.py), run by tests/helpers/gpu_report.py: the `env` step,
+# then `pytest -m gpu tests/test_gpu.py`, each check in its own process under its time limit,
+# with a plugin that writes the JSON. The whole run stays under GPU_CHECK_BUDGET_S (580 s).
 #
-#   bash bench/gpu_check.sh
+#   bash bench/gpu_check.sh [pytest arguments, e.g. -k nccl]
 #
 # Writes one JSON: $OUT/gpu_check.json when OUT is set, else bench/results/gpu_check.json
-# (GPU_CHECK_OUT overrides both), and prints it at the end. Nothing is downloaded: a step whose
+# (GPU_CHECK_OUT overrides both), and prints it at the end. Nothing is downloaded: a check whose
 # packages are absent (vllm's CUDA build, flash_attn, deepspeed, ...) says "missing: ..." and
 # without a CUDA device every check says "no CUDA: ...". Wheels in GPU_CHECK_WHEELS (default
-# .whl/, if there) are installed first with pip --no-index into the run's folder.
+# .whl/, if there) are installed first with pip --no-index into the run's folder. Exit code:
+# pytest's (0 when no check failed; skipped ones do not count), 1 without pytest or without a
+# JSON, 124 when `timeout` stopped the runner.
 #
 # Environment: GPU_CHECK_PYTHON (the interpreter; default: the first of .venv/bin/python and
 # python3 whose torch sees CUDA, else the first that has torch), GPU_CHECK_WORK (models, runs
@@ -23,7 +27,6 @@ BUDGET="${GPU_CHECK_BUDGET_S:-580}"
 START=$(date +%s)
 WORK="${GPU_CHECK_WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}"
 mkdir -p "$WORK/logs" "$WORK/parts"
-: > "$WORK/status.tsv"
 if [ -n "${GPU_CHECK_OUT:-}" ]; then RESULT="$GPU_CHECK_OUT"
 elif [ -n "${OUT:-}" ]; then RESULT="$OUT/gpu_check.json"
 else RESULT="$ROOT/bench/results/gpu_check.json"; fi
@@ -64,29 +67,17 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # nothing is fetched: local model folders only, no usage statistics
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 
-PLAN="$("$PY" bench/gpu_check.py plan)" || { echo "gpu_check: $PY cannot run bench/gpu_check.py" >&2; exit 1; }
-while read -r NAME LIMIT; do
-  LEFT=$(( BUDGET - ($(date +%s) - START) - 15 ))   # 15 s kept for the merge
-  if [ "$LEFT" -lt 10 ]; then
-    printf '%s\tskipped\t0\t0\n' "$NAME" >> "$WORK/status.tsv"
-    echo "== $NAME: not run (the ${BUDGET} s budget is spent)"
-    continue
-  fi
-  [ "$LIMIT" -gt "$LEFT" ] && LIMIT=$LEFT
-  echo "== $NAME (at most ${LIMIT} s)"
-  T0=$(date +%s.%N)
-  timeout -k 15 "$LIMIT" "$PY" bench/gpu_check.py step "$NAME" --work "$WORK" --budget "$LIMIT" \
-    > "$WORK/logs/$NAME.log" 2>&1 < /dev/null
-  RC=$?
-  SECS=$(awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-  printf '%s\t%s\t%s\t%s\n' "$NAME" "$RC" "$SECS" "$LIMIT" >> "$WORK/status.tsv"
-  if [ "$RC" -eq 0 ]; then tail -n 1 "$WORK/logs/$NAME.log"
-  else echo "gpu_check $NAME: exit code $RC after ${SECS} s (log: $WORK/logs/$NAME.log)"; fi
-done <<< "$PLAN"
-
-"$PY" bench/gpu_check.py merge --work "$WORK" --out "$RESULT" || { echo "gpu_check: merge failed" >&2; exit 1; }
+LEFT=$(( BUDGET - ($(date +%s) - START) ))   # what the wheels and the interpreter's choice left
+[ "$LEFT" -lt 30 ] && LEFT=30                # (`timeout 0` would mean no limit at all)
+rm -f "$RESULT"
+# the runner keeps to --budget by itself; `timeout` is for a runner that hangs
+timeout -k 15 "$LEFT" "$PY" tests/helpers/gpu_report.py --work "$WORK" --out "$RESULT" \
+  --budget $(( LEFT - 15 )) "$@" < /dev/null
+RC=$?
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-  tar -czf "$OUT/gpu_check_logs.tar.gz" -C "$WORK" logs status.tsv 2>/dev/null || true
+  tar -czf "$OUT/gpu_check_logs.tar.gz" -C "$WORK" logs parts 2>/dev/null || true
 fi
-echo "== $RESULT (logs: $WORK/logs; $(( $(date +%s) - START )) s in all)"
+[ -f "$RESULT" ] || { echo "gpu_check: no result written (the runner exited $RC; logs: $WORK/logs)" >&2; exit 1; }
+echo "== $RESULT (logs: $WORK/logs; $(( $(date +%s) - START )) s in all; exit code $RC)"
 cat "$RESULT"
+exit "$RC"
