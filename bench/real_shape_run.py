@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from megagrpo.cluster.distributed import free_port
+
 BIN = os.path.dirname(sys.executable)
 
 
@@ -80,12 +81,6 @@ def memcpy_gbps(nbytes: int) -> float:
     start = time.perf_counter()
     dst.copy_(src)
     return nbytes / (time.perf_counter() - start) / 1e9
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

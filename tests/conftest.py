@@ -2,12 +2,13 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from megagrpo.cluster.distributed import free_port  # noqa: F401  (the tests import it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
@@ -48,12 +49,6 @@ def _signal_session(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,8 @@ SHM_OP = "deepspeed_shm_comm"   # the op DeepSpeed builds in TorchBackend.__init
 STALE_LOCK_S = 600               # its build takes about a minute on 2 cores
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it), for a launcher's master port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -46,7 +47,7 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
                           LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
     if "RANK" not in os.environ and not mpirun:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     local_rank = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
     prepare_op_build(clear_lock=local_rank == "0")
     # under mpirun DeepSpeed's MPI discovery (mpi4py) sets RANK/WORLD_SIZE/LOCAL_RANK and

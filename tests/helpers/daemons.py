@@ -17,11 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megagrpo.cluster.distributed import free_port
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20) -> None:
