@@ -124,6 +124,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                "load_average": os.getloadavg()},
+                   "sandbox": sandboxes["bwrap+rlimits"].describe(),
                    "executions": args.executions, "repeats": args.repeats, "baseline": args.baseline,
                    "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")

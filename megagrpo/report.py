@@ -3,7 +3,9 @@
 Reads output_dir/metrics.jsonl (logging.report_to jsonl, on by default), eval_history.jsonl
 and the newest eval_samples/step_*.jsonl, and writes RUN_DIR/report/: one PNG per panel
 (matplotlib) and report.html, self-contained (the PNGs inlined), with a handful of held-out
-samples and their rewards. A panel whose metrics the run did not log says so instead.
+samples and their rewards. A panel whose metrics the run did not log says so instead. A run
+with a code reward gets one line saying which sandbox judged it (from the reward's
+sandbox/<feature> metrics), on the page and on the console.
 """
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ import glob
 import html
 import json
 import os
+import re
 import sys
+
+from megagrpo.sandbox import FEATURES, describe
 
 # (key, title, metric names or prefixes; a name ending in "/" takes every metric under it)
 PANELS = [
@@ -55,6 +60,24 @@ def _jsonl(path: str) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def sandbox_lines(metrics: dict) -> list[str]:
+    """One line per code reward of the run: the sandbox that judged it, e.g. "Sandbox of the
+    code reward: bubblewrap (namespaces, seccomp, cgroups)"; a feature some steps or ranks
+    lacked is given as the share of the completions that had it."""
+    lines = []
+    for name in sorted(metrics):
+        found = re.fullmatch(r"train/rewards/(.+)/sandbox/bubblewrap", name)
+        if found:
+            prefix = name.removesuffix("bubblewrap")
+            shares = {f: _mean(metrics.get(prefix + f, [])) for f in FEATURES}
+            lines.append(f"Sandbox of the {found.group(1)} reward: {describe(**shares)}")
+    return lines
+
+
+def _mean(series: list[tuple[int, float]]) -> float:
+    return sum(v for _, v in series) / len(series) if series else 0.0
 
 
 def _matching(metrics: dict, patterns: list[str]) -> list[str]:
@@ -116,8 +139,9 @@ def render(run_dir: str, out_dir: str = None) -> str:
     steps = max((s for series in metrics.values() for s, _ in series), default=0)
     parts = [f"<h1>megagrpo run: {html.escape(os.path.abspath(run_dir))}</h1>",
              f"<p>{steps} steps logged; {len(metrics)} metrics.</p>"]
+    parts += [f'<p class="sandbox">{html.escape(line)}</p>' for line in sandbox_lines(metrics)]
     for key, title, patterns in PANELS:
-        names = _matching(metrics, patterns)
+        names = [n for n in _matching(metrics, patterns) if "/sandbox/" not in n]  # said in words above
         if key == "held_out":
             names = [n for n in names if not n.startswith("eval/distinct")]
         parts.append(f'<section class="panel" id="panel-{key}"><h2>{html.escape(title)}</h2>')
@@ -165,6 +189,8 @@ def main(argv=None) -> int:
     except (ReportError, OSError, json.JSONDecodeError) as e:
         print(f"megagrpo report: {e}", file=sys.stderr)
         return 2
+    for line in sandbox_lines(read_metrics(args.run_dir)):
+        print(line)
     print(f"report: {path}")
     return 0
 

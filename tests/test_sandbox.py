@@ -19,12 +19,12 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 
 import pytest
 
 from megagrpo.rewards.code import CodeReward, extract_code
 from megagrpo.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+from megagrpo.sandbox.process import EXECUTION_LABEL
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 from sandbox_host import sandbox_processes, sandbox_processes_after_cleanup  # noqa: E402
@@ -68,6 +68,21 @@ def assert_contained(value, reason, components, statuses):
     assert sandbox_processes_after_cleanup() == []
 
 
+def said_started(pid: int, python: str) -> bool:
+    """Whether `pid` is a sandboxed interpreter past BOOT's "started" byte (BOOT closes that
+    pipe, whose fd number follows the label on its command line, right after writing it;
+    bubblewrap, whose command line holds the label too, is not the interpreter)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        if argv[0] != os.fsencode(python) or EXECUTION_LABEL.encode() not in argv:
+            return False
+        started_fd = argv[argv.index(EXECUTION_LABEL.encode()) + 1].decode()
+        return os.path.isdir(f"/proc/{pid}/fd") and not os.path.exists(f"/proc/{pid}/fd/{started_fd}")
+    except (OSError, IndexError):
+        return False
+
+
 def test_the_leak_check_sees_a_running_sandbox():
     """The leak check is not vacuous, as root (uids) or not (command lines): it finds an
     execution while it runs, and killing what it found ends that execution (killed, not timed
@@ -78,7 +93,9 @@ def test_the_leak_check_sees_a_running_sandbox():
     runner.start()
     try:
         found = []
-        while len(found) < 3 and runner.is_alive():  # bubblewrap, its pid namespace's init, python
+        # bubblewrap, its pid namespace's init, python; killed before python has said "started",
+        # the execution would be a sandbox_error, not the program's crash
+        while not (len(found) >= 3 and any(said_started(pid, sb.python) for pid, _ in found)) and runner.is_alive():
             found = sandbox_processes()
             time.sleep(0.02)
         assert found, f"the leak check did not see the running sandbox: {results}"
@@ -309,10 +326,10 @@ def test_strict_mode_refuses_without_bubblewrap(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on PATH
     with pytest.raises(SandboxUnavailable, match="sandbox: strict, but bubblewrap cannot run"):
         Sandbox(SandboxLimits(**LIMITS), mode="strict")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        sb = Sandbox(SandboxLimits(**LIMITS), mode="auto")
-    assert not sb.isolated and any("bwrap is not installed" in str(w.message) for w in caught)
+    # auto no longer falls back to rlimits only: it refuses too, naming what is missing
+    # (tests/test_sandbox_modes.py has the whole message, and rlimits chosen knowingly)
+    with pytest.raises(SandboxUnavailable, match="bwrap is not installed"):
+        Sandbox(SandboxLimits(**LIMITS), mode="auto")
 
 
 def test_root_without_setpriv_refuses(tmp_path, monkeypatch):
@@ -539,11 +556,10 @@ def test_a_private_tmpdir_does_not_stop_the_sandbox(tmp_path, monkeypatch):
 
 
 def test_a_sandbox_that_cannot_run_anything_says_so_at_once(tmp_path):
-    """No interpreter that runs: `auto` warns that bubblewrap is not in use, then refuses,
-    instead of scoring every correct program 0."""
-    with pytest.warns(RuntimeWarning, match="bubblewrap is not in use"):
-        with pytest.raises(SandboxUnavailable, match="would score every program 0"):
-            Sandbox(SandboxLimits(**LIMITS), mode="auto", python="/bin/false")
-    with pytest.raises(Exception, match="would score every program 0"):
-        CodeReward(sandbox="auto", **LIMITS, python="/bin/false") if False else \
+    """No interpreter that runs: `auto` refuses at once (the interpreter, not bubblewrap, is
+    named as the problem), instead of scoring every correct program 0."""
+    with pytest.raises(SandboxUnavailable, match="would score every program 0"):
+        Sandbox(SandboxLimits(**LIMITS), mode="auto", python="/bin/false")
+    with pytest.warns(RuntimeWarning, match="bubblewrap is not in use"):  # rlimits still warns first
+        with pytest.raises(Exception, match="would score every program 0"):
             Sandbox(SandboxLimits(**LIMITS), mode="rlimits", python="/bin/false")

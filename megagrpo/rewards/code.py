@@ -14,6 +14,11 @@ test per line; or, with an `entry_point` field, one string defining `check(candi
 HumanEval format), run as one test `check(<entry_point>)`. Optionally `time_budget_s`. The
 tests run in the trusted interpreter (`judge.py`), where each top-level function of the code is
 a proxy that calls into the solution's process and gets plain data back.
+
+`sandbox` is the mode (docs/sandbox.md): `auto` judges under bubblewrap or refuses to build;
+`rlimits` accepts the weaker sandbox knowingly. Besides syntax, tests, efficiency and
+fail/<status>, the components hold sandbox/<feature> (bubblewrap, seccomp, cgroups: 1 or 0),
+from which `megagrpo report` says which sandbox judged the run.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import threading
 
 from megagrpo.rewards import Scores
 from megagrpo.rewards.judge import Judge, Verdict
-from megagrpo.sandbox import STATUSES, Sandbox, SandboxLimits, SandboxPool
+from megagrpo.sandbox import FEATURES, STATUSES, Sandbox, SandboxLimits, SandboxPool
 
 _FENCE_PYTHON = r"```(?:python|py|python3)[^\n]*\n(.*?)```"
 _FENCE_ANY = r"```[^\n]*\n(.*?)```"
@@ -79,7 +84,8 @@ class CodeReward:
         limits = SandboxLimits(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
                                file_size_mb=file_size_mb, open_files=open_files,
                                processes=processes, output_bytes=output_bytes)
-        self.sandbox = Sandbox(limits, mode=sandbox)
+        self.sandbox = Sandbox(limits, mode=sandbox)  # refuses, naming the way out, where `sandbox` cannot run
+        self.sandbox.announce("code reward")
         self.pool = SandboxPool(self.sandbox, workers)
         self._local, self._judges, self._lock = threading.local(), [], threading.Lock()
 
@@ -129,6 +135,9 @@ class CodeReward:
                              f"{report['failures'][0]}"
         for s in FAILURES:
             comp[f"fail/{s}"] = [1.0 if st == s else 0.0 for st in status]
+        features = self.sandbox.features  # which sandbox judged these, for `megagrpo report`
+        for feature in FEATURES:
+            comp[f"sandbox/{feature}"] = [float(features[feature])] * n
         return Scores(totals, components=comp, reasons=[f"{st}: {r}" if st != "ok" else r
                                                         for st, r in zip(status, reasons)])
 

@@ -2,8 +2,9 @@
 
 A tool is a name, a JSON schema (what the chat template shows the model) and a call that takes
 the call's arguments and returns text. Three kinds (rollout.tools, rollout.environment):
-- `python` (built-in): runs the call's `code` in the sandbox (sandbox/__init__.py: bubblewrap,
-  seccomp, rlimits, a timeout) and returns its stdout, or its error;
+- `python` (built-in): runs the call's `code` in the sandbox (megagrpo/sandbox: bubblewrap,
+  seccomp, rlimits, a timeout; `mode: auto` refuses to start without bubblewrap) and returns
+  its stdout, or its error;
 - a function by dotted path `module:function`: its schema comes from its type hints and its
   docstring (transformers' `get_json_schema`); it runs in this process, on a thread, with a
   timeout;
@@ -140,7 +141,7 @@ PYTHON_SCHEMA = {"type": "function", "function": {
 
 
 class PythonTool:
-    """The built-in `python` tool: each call is a fresh sandboxed program (sandbox/__init__.py)."""
+    """The built-in `python` tool: each call is a fresh sandboxed program (megagrpo/sandbox)."""
 
     def __init__(self, args: dict, workers: int):
         from megagrpo.sandbox import Sandbox, SandboxLimits
@@ -150,7 +151,10 @@ class PythonTool:
         unknown = sorted(set(args) - known)
         if unknown:
             raise ConfigError(f"rollout.tools python: unknown args {unknown}; valid: mode, {', '.join(sorted(known))}")
-        self.sandbox = Sandbox(SandboxLimits(**{"timeout_s": 5.0, "memory_mb": 512, **args}), mode=mode)
+        # refuses, naming the way out, where `mode` cannot run (a ConfigError: one line, no traceback)
+        self.sandbox = Sandbox(SandboxLimits(**{"timeout_s": 5.0, "memory_mb": 512, **args}), mode=mode,
+                               setting="rollout.tools python args.mode")
+        self.sandbox.announce("python tool")
         self.slots = threading.BoundedSemaphore(max(1, workers))
 
     def __call__(self, arguments: dict, environment=None) -> str:
@@ -202,26 +206,21 @@ class Toolset:
 
     def __init__(self, cfg):
         r = cfg.rollout
+        check_unique_names(tool_names(cfg))  # before a sandbox starts
         self.tools: dict[str, Tool] = {}
         self.closers = []
         for i, t in enumerate(r.tools):
-            what = f"rollout.tools[{i}] ({t.name})"
             if t.name == "python":
                 python = PythonTool(t.args, r.tool_workers)
                 self.closers.append(python.close)
                 tool = Tool("python", PYTHON_SCHEMA, python, python.sandbox.limits.timeout_s + 5.0)
             else:
-                tool = function_tool(t.name, r.tool_timeout_s, what)
-            self._add(tool, what)
+                tool = function_tool(t.name, r.tool_timeout_s, f"rollout.tools[{i}] ({t.name})")
+            self.tools[tool.name] = tool
         self.environment_class = resolve_environment(r.environment) if r.environment else None
         if self.environment_class is not None:
             for tool in environment_tools(self.environment_class, r.tool_timeout_s):
-                self._add(tool, f"rollout.environment method {tool.name}")
-
-    def _add(self, tool: Tool, what: str) -> None:
-        if tool.name in self.tools:
-            raise ConfigError(f"{what}: a second tool named '{tool.name}'; tool names must be unique")
-        self.tools[tool.name] = tool
+                self.tools[tool.name] = tool
 
     @property
     def schemas(self) -> list[dict]:
@@ -261,20 +260,37 @@ def check_tools(cfg) -> None:
     if not agentic:
         return
     resolve_parser(r.tool_call_parser)
+    names = tool_names(cfg)
+    if r.environment and not names:
+        raise ConfigError(f"rollout.environment: {r.environment} has no public method to offer as a tool")
+    check_unique_names(names)
+
+
+def tool_names(cfg) -> list[tuple[str, str]]:
+    """[(name, where it comes from)] of every tool of the run, in order, without starting any
+    (the python tool's name is fixed; a function's and an environment method's come from
+    their schemas)."""
+    r = cfg.rollout
     names = []
     for i, t in enumerate(r.tools):
-        if t.name == "python":
-            names.append("python")
-            continue
-        names.append(function_tool(t.name, r.tool_timeout_s, f"rollout.tools[{i}] ({t.name})").name)
+        what = f"rollout.tools[{i}] ({t.name})"
+        name = "python" if t.name == "python" else function_tool(t.name, r.tool_timeout_s, what).name
+        names.append((name, what))
     if r.environment:
-        methods = [tool.name for tool in environment_tools(resolve_environment(r.environment), r.tool_timeout_s)]
-        if not methods and not r.tools:
-            raise ConfigError(f"rollout.environment: {r.environment} has no public method to offer as a tool")
-        names += methods
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConfigError(f"rollout.tools: more than one tool named {', '.join(duplicates)}; names must be unique")
+        names += [(tool.name, f"rollout.environment method {tool.name}")
+                  for tool in environment_tools(resolve_environment(r.environment), r.tool_timeout_s)]
+    return names
+
+
+def check_unique_names(names: list[tuple[str, str]]) -> None:
+    """ConfigError at the second of two tools with one name (the chat template and the calls
+    address tools by name)."""
+    seen = {}
+    for name, what in names:
+        if name in seen:
+            raise ConfigError(f"{what}: more than one tool named {name} (also {seen[name]}); "
+                              "tool names must be unique")
+        seen[name] = what
 
 
 def _without_self(method):

@@ -10,7 +10,7 @@ import os
 import time
 
 from megagrpo.sandbox.cgroups import own_cgroup_paths
-from megagrpo.sandbox import (
+from megagrpo.sandbox.process import (
     EXECUTION_LABEL,
     LONG_LIVED_LABEL,
     LONG_LIVED_UIDS,
