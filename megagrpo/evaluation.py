@@ -224,7 +224,7 @@ def format_metrics(results: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="megagrpo eval",
-        description="Generate with the rollout engine on a held-out file and report rewards, "
+        description="Generate with the generator (vLLM or transformers) on a held-out file and report rewards, "
                     "pass@k, BLEU, ROUGE, perplexity and distinct-n (JSON, TensorBoard, samples).")
     p.add_argument("--model", required=True, help="HF model folder (e.g. a run's output_dir/hf), or a PEFT "
                    "LoRA adapter folder (a run's output_dir/adapter), merged into its base first")

@@ -2,6 +2,7 @@
 import sys
 
 import pytest
+import yaml
 from conftest import ROOT, run, tiny_overrides
 
 from megagrpo.config.schema import ConfigError
@@ -15,6 +16,29 @@ def test_trl_names_and_overrides(tiny, tmp_path):
     assert cfg.grpo.num_generations == 4 and cfg.grpo.kl_coef == 0.3
     assert cfg.rollout.engine == "hf" and cfg.logging.report_to == []
     assert cfg.grpo.learning_rate == 3e-4 and cfg.rollout.stop == ["###"]
+
+
+def test_former_names_still_work_and_say_so(tiny, tmp_path, capsys):
+    base = tiny_overrides(tiny, tmp_path)
+    cfg = load_config("configs/tiny_arith.yaml", base + ["data.reference_field=gold"])
+    assert cfg.data.target_field == "gold"
+    assert "data.reference_field is now data.target_field" in capsys.readouterr().err
+    yaml_file = tmp_path / "old.yaml"
+    old = yaml.safe_load((ROOT / "configs" / "tiny_arith.yaml").read_text())
+    old["data"]["reference_field"] = "solution"
+    yaml_file.write_text(yaml.safe_dump(old))
+    assert load_config(str(yaml_file), base).data.target_field == "solution"
+    with pytest.raises(ConfigError, match="data.reference_field and data.target_field are both set"):
+        load_config(str(yaml_file), base + ["data.target_field=x"])
+
+
+def test_validation_is_above_the_loader(tiny, tmp_path):
+    """config/ only reads and type-checks; the checks of every part run in megagrpo.validation."""
+    from megagrpo.config.loading import read_config
+    bad = tiny_overrides(tiny, tmp_path) + ["rewards.functions=[{name: no_such_reward}]"]
+    assert read_config("configs/tiny_arith.yaml", bad).rewards.functions[0].name == "no_such_reward"
+    with pytest.raises(ConfigError, match="rewards.functions\\[0\\].name: reward 'no_such_reward'"):
+        load_config("configs/tiny_arith.yaml", bad)
 
 
 def test_unknown_key_suggests(tiny, tmp_path):

@@ -158,16 +158,3 @@ def test_trl_names_turn_lora_on(tiny):
     assert (cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.target_modules) == (4, 8.0, ["q_proj"])
 
 
-def test_the_plan_counts_adapter_state_only(tiny, monkeypatch):
-    """r x (in + out) per adapted layer: q_proj and v_proj (hidden 128 -> 128, 2 layers) at r 8,
-    plus every norm (5 x 128) as modules to save; gradients and Adam for those only, no reference."""
-    from megagrpo.planning import make_plan
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = _config(tiny, "model.lora.r=8", "model.lora.target_modules=[q_proj,v_proj]",
-                  "model.lora.modules_to_save=[norm]")
-    plan = make_plan(cfg, 2)
-    trained = 2 * 2 * 8 * (128 + 128) + 5 * 128
-    assert plan.params_trained == trained and plan.lora
-    assert plan.bytes_per_rank["grads"] == trained * 4 // 2 and plan.bytes_per_rank["optimizer"] == trained * 12 // 2
-    assert plan.bytes_per_rank["reference"] == 0
-    assert plan.bytes_per_rank["params"] == (plan.params_total + trained) * 4 // 2

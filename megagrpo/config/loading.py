@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import os
 import sys
 import types
@@ -186,6 +187,21 @@ def read_config(path: Optional[str], overrides: list[str] = ()) -> Config:
         _set_dotted(raw, *_canonical(*parse_override(text)))
     _apply_renames(raw)
     return _build(Config, raw, "")
+
+
+def resolve_dotted(name: str, what: str, error: type[Exception] = ConfigError):
+    """The object a `package.module:attribute` setting names (a reward, a tool, a parser, an
+    environment class); `error` naming `what` when it does not resolve."""
+    if ":" not in name:
+        raise error(f"{what}: '{name}' is not a dotted path module:name")
+    module_name, attr = name.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise error(f"{what}: cannot import module '{module_name}': {e}") from None
+    if not hasattr(module, attr):
+        raise error(f"{what}: module '{module_name}' has no '{attr}'")
+    return getattr(module, attr)
 
 
 def to_dict(cfg: Config) -> dict:

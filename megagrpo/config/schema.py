@@ -160,7 +160,7 @@ class GRPOConfig:
     """Share of each micro-batch's tokens, the highest-entropy ones, that the policy term
     covers (0.2: the "80/20" result); 1: all."""
     num_iterations: int = 1
-    """mu: optimisation passes over each generated batch (old-policy logprobs when > 1)."""
+    """Optimisation passes (GRPO's mu) over each generated batch (old-policy logprobs when > 1)."""
     sync_ref_model: bool = False
     """A moving reference (TR-DPO; TRL's sync_ref_model): every ref_model_sync_steps steps the
     reference becomes ref_model_mixup_alpha x policy + (1 - alpha) x reference. Needs kl_coef > 0."""

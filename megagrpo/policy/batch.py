@@ -34,7 +34,7 @@ class RolloutBatch:
     position_ids: torch.Tensor      # (B, P + C)
     completion_ids: torch.Tensor    # (B, C)
     completion_mask: torch.Tensor   # (B, C) float, 1 on real completion tokens
-    sampler_logp: torch.Tensor      # (B, C) the rollout engine's logprobs
+    sampler_logp: torch.Tensor      # (B, C) the generator's logprobs
     truncated: torch.Tensor         # (B,) bool
     advantages: torch.Tensor        # (B,)
     prompt_lens: torch.Tensor       # (B,) real prompt tokens per row

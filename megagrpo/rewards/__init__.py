@@ -12,7 +12,6 @@ trainer logs as `rewards/<name>/<component>` and eval writes to its samples file
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import re
@@ -21,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megagrpo.config.loading import resolve_dotted
 from megagrpo.config.schema import ConfigError, require
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -110,14 +110,7 @@ def resolve(name: str) -> Callable:
     if ":" not in name:
         raise RewardError(f"reward '{name}' is not a built-in ({', '.join([*BUILTINS, *SUITE])}) nor a "
                           "dotted path module:function")
-    module_name, attr = name.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise RewardError(f"reward '{name}': cannot import module '{module_name}': {e}") from None
-    if not hasattr(module, attr):
-        raise RewardError(f"reward '{name}': module '{module_name}' has no '{attr}'")
-    return getattr(module, attr)
+    return resolve_dotted(name, f"reward '{name}'", RewardError)
 
 
 def check_reward_names(functions: list) -> None:

@@ -1,13 +1,13 @@
 """Multi-turn rollouts: the model samples a turn, calls tools, reads their results, continues.
 
-A trajectory is one token sequence after its prompt: per turn the tokens the engine sampled
+A trajectory is one token sequence after its prompt: per turn the tokens the generator sampled
 (with its log-probs), then the tokens of the tool-result messages as the chat template renders
-them. Sampled tokens are taken as the engine returned them and never re-encoded: a turn is
+them. Sampled tokens are taken as the generator returned them and never re-encoded: a turn is
 decoded only to parse its tool calls and to show it to the rewards; only the inserted tool
 messages are tokenised. `model_mask` marks the sampled tokens, and the loss, KL, entropy and
 importance sampling cover those only (policy/batch.py).
 
-Each turn, all live trajectories of the step go to the engine together (prefix caching on); a
+Each turn, all live trajectories of the step go to the generator together (prefix caching on); a
 trajectory ends at a turn without a tool call ("answer"), at rollout.max_turns ("max_turns"),
 or ("budget") when a turn is cut at max_new_tokens or the next tool message and one more token
 would not fit in max_model_len. Tools of one turn run concurrently (tools.py).
@@ -85,11 +85,11 @@ def turn_seed(trajectory_seed: int, turn: int) -> int:
 
 
 class AgentLoop:
-    """Samples a step's trajectories through the rollout engine, with tools between turns."""
+    """Samples a step's trajectories through the generator, with tools between turns."""
 
-    def __init__(self, cfg, engine, tokenizer, toolset: Toolset):
+    def __init__(self, cfg, generator, tokenizer, toolset: Toolset):
         r = cfg.rollout
-        self.engine, self.tokenizer, self.toolset = engine, tokenizer, toolset
+        self.generator, self.tokenizer, self.toolset = generator, tokenizer, toolset
         self.max_turns, self.max_new_tokens = r.max_turns, r.max_new_tokens
         self.max_len = max_sequence_length(cfg)
         self.parse = resolve_parser(r.tool_call_parser)
@@ -101,7 +101,7 @@ class AgentLoop:
         """n trajectories per prompt (data.Prompt); trajectory j of prompt i samples its first
         turn from seeds[i] as a single-turn group does, later turns from turn_seed."""
         self.tool_wall_seconds = 0.0
-        first = self.engine.generate([p.token_ids for p in prompts], n=n, seeds=seeds, greedy=greedy,
+        first = self.generator.generate([p.token_ids for p in prompts], n=n, seeds=seeds, greedy=greedy,
                                      max_tokens=[self._room(len(p.token_ids)) for p in prompts])
         groups, live = [], []
         for prompt, group, seed in zip(prompts, first, seeds):
@@ -120,7 +120,7 @@ class AgentLoop:
             live = [r for r in live if not r.trajectory.ended_by]
             if not live:
                 break
-            outputs = self.engine.generate(
+            outputs = self.generator.generate(
                 [r.ids for r in live], n=1, seeds=[turn_seed(r.seed, r.trajectory.turns) for r in live],
                 greedy=greedy, max_tokens=[self._room(len(r.ids)) for r in live])
             for run, out in zip(live, outputs):

@@ -1,6 +1,6 @@
-"""Rollout engines: sample G completions per prompt and take new weights in place.
+"""Generators (rollout engines): sample G completions per prompt and take new weights in place.
 
-Both engines have the same interface:
+Both have the same interface:
     generate(prompt_ids, n, seeds, greedy=False, max_tokens=None) -> per prompt, n Completions
     load_weights(named_tensors, partial=False)   # (HF name, tensor) stream; no restart, no disk
     sleep() / wake_up()           # free accelerator memory while the trainer runs
@@ -240,5 +240,5 @@ class HFGenerator:
 
 
 def build_generator(cfg: Config, seed: int):
-    engine_class = {"vllm": VLLMGenerator, "hf": HFGenerator}[cfg.rollout.engine]
-    return engine_class(cfg, cfg.model.name_or_path, seed)
+    generator_class = {"vllm": VLLMGenerator, "hf": HFGenerator}[cfg.rollout.engine]
+    return generator_class(cfg, cfg.model.name_or_path, seed)

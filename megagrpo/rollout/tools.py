@@ -18,7 +18,6 @@ the tool message, counted by kind (ERROR_KINDS).
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import re
@@ -27,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from megagrpo.config.loading import resolve_dotted
 from megagrpo.config.schema import ConfigError
 
 # Every failed call is counted as exactly one of these (fixed, so ranks can reduce the counts).
@@ -94,22 +94,8 @@ def hermes(text: str) -> list[ParsedCall]:
 PARSERS: dict[str, Callable[[str], list[ParsedCall]]] = {"hermes": hermes}
 
 
-def resolve_object(name: str, what: str):
-    """`package.module:attribute` -> the attribute; ConfigError naming `what` otherwise."""
-    if ":" not in name:
-        raise ConfigError(f"{what}: '{name}' is not a dotted path module:name")
-    module_name, attr = name.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{what}: cannot import module '{module_name}': {e}") from None
-    if not hasattr(module, attr):
-        raise ConfigError(f"{what}: module '{module_name}' has no '{attr}'")
-    return getattr(module, attr)
-
-
 def resolve_parser(name: str) -> Callable[[str], list[ParsedCall]]:
-    return PARSERS[name] if name in PARSERS else resolve_object(name, "rollout.tool_call_parser")
+    return PARSERS[name] if name in PARSERS else resolve_dotted(name, "rollout.tool_call_parser")
 
 
 # ---- tools ----------------------------------------------------------------------------------------
@@ -173,7 +159,7 @@ class PythonTool:
 
 def function_tool(name: str, timeout_s: float, what: str) -> Tool:
     """The tool of a `module:function` entry, its schema from the function."""
-    fn = resolve_object(name, what)
+    fn = resolve_dotted(name, what)
     if not callable(fn):
         raise ConfigError(f"{what}: '{name}' is not a function")
     schema = function_schema(fn, what)
@@ -181,7 +167,7 @@ def function_tool(name: str, timeout_s: float, what: str) -> Tool:
 
 
 def resolve_environment(name: str):
-    cls = resolve_object(name, "rollout.environment")
+    cls = resolve_dotted(name, "rollout.environment")
     if not inspect.isclass(cls):
         raise ConfigError(f"rollout.environment: '{name}' is not a class")
     return cls

@@ -8,16 +8,16 @@ from typing import Iterator
 import torch
 
 
-def sync_weights(tensors: Iterator[tuple[str, torch.Tensor]], rollout_engine, partial: bool = False) -> float:
-    """Stream (HF name, whole tensor) pairs into the rollout engine in place; returns seconds
-    taken. A rank without an engine to update (None) still runs the stream to the end: the
+def sync_weights(tensors: Iterator[tuple[str, torch.Tensor]], generator, partial: bool = False) -> float:
+    """Stream (HF name, whole tensor) pairs into the generator in place; returns seconds
+    taken. A rank without a generator to update (None) still runs the stream to the end: the
     gathers (ZeRO-3, AutoTP, pipeline stages) are collective. partial: the stream holds only
-    the weights that changed (the engine keeps the others)."""
+    the weights that changed (the generator keeps the others)."""
     start = time.perf_counter()
-    if rollout_engine is None:
+    if generator is None:
         for _ in tensors:
             pass
     else:
-        rollout_engine.wake_up()
-        rollout_engine.load_weights(tensors, partial=partial)
+        generator.wake_up()
+        generator.load_weights(tensors, partial=partial)
     return time.perf_counter() - start

@@ -1,0 +1,86 @@
+"""The memory planner (megagrpo/planning.py; `megagrpo plan`, `--dry-run`): the layout and the
+bytes of parameters, gradients and optimizer state per rank, counted by hand on the tiny model,
+for tp, pp x tp and LoRA, and real shapes refused or accepted by --check-memory."""
+import torch
+from conftest import BIN, PYTHON, run, tiny_overrides
+
+from megagrpo.validation import load_config
+
+
+def _lora_config(tiny, *overrides):
+    return load_config("configs/tiny_lora.yaml", [f"model.name_or_path={tiny['warm']}",
+                                                  f"data.train_file={tiny['data']}/train.jsonl",
+                                                  f"data.eval_file={tiny['data']}/eval.jsonl", *overrides])
+
+
+def test_plan_counts_bytes_per_rank(tiny, tmp_path):
+    """The tiny model by hand: 2 layers x (q, k, v, o: 128x128; gate, up, down: 384x128) are
+    split by tp; embeddings 409x128, q/k/v biases, norms are replicated."""
+    sharded = 2 * (4 * 128 * 128 + 3 * 384 * 128)
+    replicated = 409 * 128 + 2 * 3 * 128 + 2 * 2 * 128 + 128
+    proc = run([f"{BIN}/megagrpo", "plan", "--config", "configs/tiny_arith.yaml", "--world-size", "4",
+                *tiny_overrides(tiny, tmp_path), "parallel.tensor_parallel_size=2"])
+    assert "world 4 = dp 2 x tp 2 x pp 1; ZeRO stage 3" in proc.stdout
+    assert "    3        1       2/2         0" in proc.stdout
+    from megagrpo.planning import count_parameters, make_plan
+    assert count_parameters(tiny["warm"]) == (sharded + replicated, sharded)
+    cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + ["parallel.tensor_parallel_size=2"])
+    per_rank = make_plan(cfg, 4).bytes_per_rank
+    local = sharded // 2 + replicated
+    assert per_rank["params"] == local * 4 // 2 and per_rank["grads"] == local * 4 // 2
+    assert per_rank["optimizer"] == local * 12 // 2 and per_rank["rollout_weights"] == (sharded + replicated) * 4
+    cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
+        "deepspeed=configs/ds_zero1.json", "model.dtype=bfloat16"])
+    per_rank = make_plan(cfg, 4).bytes_per_rank  # ZeRO-1: only the optimizer state is split
+    total = sharded + replicated
+    assert per_rank["params"] == total * 2 and per_rank["grads"] == total * 2
+    assert per_rank["optimizer"] == total * 12 // 4
+
+
+def test_plan_counts_a_3d_stage_and_refuses_what_does_not_fit(tiny, tmp_path):
+    """tp x pp: a rank holds its stage with the decoder layers split by tp. Real shapes (config
+    only, no weights): 2 ranks of Qwen2.5-1.5B in bf16 with ZeRO-3 do not fit a 24 GiB node,
+    and --check-memory says so (exit 3) with the switches that would help; one rank of 0.5B
+    does fit."""
+    from megagrpo.planning import make_plan
+    from megagrpo.policy.pipeline_module import ModelParts
+    cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
+        "parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2", "deepspeed=configs/ds_zero1.json"])
+    plan = make_plan(cfg, 8)
+    per_layer_split = 4 * 128 * 128 + 3 * 384 * 128 + 3 * 128  # q/k/v biases split too
+    stages = ModelParts(tiny["warm"], torch.float32, "sdpa").stage_parameters(2, 2)
+    whole = ModelParts(tiny["warm"], torch.float32, "sdpa").stage_parameters(2)
+    assert [w - s for w, s in zip(whole, stages)] == [per_layer_split // 2, per_layer_split // 2]
+    assert plan.bytes_per_rank["params"] == max(stages) * 4
+    assert plan.bytes_per_rank["optimizer"] == max(stages) * 12 // 2
+    for shape, ranks, code in (("qwen2.5-1.5b", 2, 3), ("qwen2.5-0.5b", 1, 0)):
+        model = tmp_path / shape
+        run([PYTHON, "tools/make_tiny_model.py", "--shape", shape, "--config-only", "--out", str(model)])
+        proc = run([f"{BIN}/megagrpo", "plan", "--check-memory", "--node-memory-gib", "24", "--world-size", str(ranks),
+                    "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, tmp_path),
+                    f"model.name_or_path={model}", "model.dtype=bfloat16", "deepspeed=configs/ds_zero3_bf16.json",
+                    "model.gradient_checkpointing=true", "rollout.max_new_tokens=128"], check=False)
+        assert proc.returncode == code, (shape, proc.stdout[-2000:], proc.stderr[-2000:])
+        for part in ("runtime", "trainer_state", "gradient_buckets", "reference", "rollout", "activations",
+                     "logprob_head"):
+            assert f"\n  {part} " in proc.stdout, part
+        if code:
+            assert f"does not fit: {ranks} rank(s) x " in proc.stderr and "RAM of this node" in proc.stderr
+            assert "grpo.kl_coef=0 (no reference model" in proc.stderr
+        else:
+            assert "memory: fits" in proc.stdout
+
+
+def test_the_plan_counts_adapter_state_only(tiny, monkeypatch):
+    """r x (in + out) per adapted layer: q_proj and v_proj (hidden 128 -> 128, 2 layers) at r 8,
+    plus every norm (5 x 128) as modules to save; gradients and Adam for those only, no reference."""
+    from megagrpo.planning import make_plan
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = _lora_config(tiny, "model.lora.r=8", "model.lora.target_modules=[q_proj,v_proj]",
+                  "model.lora.modules_to_save=[norm]")
+    plan = make_plan(cfg, 2)
+    trained = 2 * 2 * 8 * (128 + 128) + 5 * 128
+    assert plan.params_trained == trained and plan.lora
+    assert plan.bytes_per_rank["grads"] == trained * 4 // 2 and plan.bytes_per_rank["optimizer"] == trained * 12 // 2
+    assert plan.bytes_per_rank["reference"] == 0
+    assert plan.bytes_per_rank["params"] == (plan.params_total + trained) * 4 // 2
