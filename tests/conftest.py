@@ -15,6 +15,26 @@ PYTHON = sys.executable
 BIN = os.path.dirname(PYTHON)
 
 
+# What starts ranks: a test that runs one of these must be marked `multirank` (pytest.ini), so
+# that `-m "not multirank"` is the unit tests and the marker cannot go stale.
+LAUNCHERS = ("deepspeed", "torchrun", "mpirun", "srun", "sbatch", "train.sh", "mpirun.sh", "slurm.sbatch",
+             "quickstart.sh")
+_running: list = []  # the test item whose setup or call is running
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _running[:] = [item]
+
+
+def _check_marked(cmd) -> None:
+    launcher = next((os.path.basename(str(part)) for part in cmd[:3]
+                     if os.path.basename(str(part)) in LAUNCHERS), None)
+    if launcher and _running and _running[0].get_closest_marker("multirank") is None:
+        raise AssertionError(f"{_running[0].nodeid} starts ranks through {launcher}: mark it "
+                             "@pytest.mark.multirank (pytest.ini)")
+
+
 def run(cmd, timeout=600, env=None, check=True, cwd=ROOT):
     """Run a command from the repository root; return the CompletedProcess (text output).
 
@@ -22,6 +42,7 @@ def run(cmd, timeout=600, env=None, check=True, cwd=ROOT):
     workers) is sent SIGABRT first, so Python's faulthandler prints where each one hung, then
     killed; the error carries both outputs. Processes it leaves behind are killed as well.
     """
+    _check_marked(cmd)
     full_env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
                 **(env or {})}
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

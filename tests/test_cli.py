@@ -4,6 +4,7 @@ import json
 import os
 import re
 
+import pytest
 from conftest import BIN, ROOT, free_port, run, tiny_overrides, write_jsonl
 
 from megagrpo.config import aliases
@@ -22,6 +23,7 @@ def test_console_script_validate_and_help(tiny, tmp_path):
     assert "key.sub=value" in proc.stdout and "--timeout-minutes" in proc.stdout
 
 
+@pytest.mark.multirank
 def test_torchrun_two_ranks(tiny, tmp_path):
     """torchrun, and a held-out set smaller than the number of ranks (rank 1 has no share)."""
     out = tmp_path / "run"

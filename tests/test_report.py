@@ -43,8 +43,9 @@ def logged_run(tiny, tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.multirank
 def test_every_sink_gets_the_same_metrics(logged_run):
-    from test_e2e import scalars
+    from test_train_e2e import scalars
     from wandb_offline import read_run  # tests/helpers
 
     out, proc = logged_run
@@ -78,6 +79,7 @@ def _chromium(page, tmp_path, name):
     return proc, shot, console
 
 
+@pytest.mark.multirank
 def test_report_renders_every_panel_and_the_browser_shows_it(logged_run, tmp_path):
     from PIL import Image, ImageStat
 

@@ -2,7 +2,7 @@
 reward returns one finite float per completion in its range, raises nothing and finishes. Then
 one case per bug that this found, showing that an honest completion still scores as before.
 
-(The code reward has its own adversarial tests: test_code_reward_adversarial.py.)"""
+(The code reward has its own adversarial tests: test_rewards_code_adversarial.py.)"""
 import math
 import os
 import signal

@@ -190,10 +190,10 @@ class GRPOConfig:
     per_device_train_batch_size sequences."""
     packing: bool = True
     """Pack a micro-batch's sequences into one row without padding (flash-attn varlen on GPU,
-    block-diagonal SDPA on CPU); false: padded rows (the reference path)."""
+    block-diagonal SDPA on CPU); false: padded rows (the plain path)."""
     fused_logprobs: bool = True
     """Compute log-probs and entropy from hidden states in chunks, never all N x V logits;
-    false: full logits (the reference path)."""
+    false: full logits (the plain path)."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the fused log-prob pass."""
     seed: int = 42

@@ -1,6 +1,6 @@
 """Per-token log-probs of the completions under a model: the trainer's one forward pass.
 
-Two switches, both on by default; off gives the reference path:
+Two switches, both on by default; both off give the plain path (what the tests compare with):
   packing: the micro-batch's sequences back to back in one row, no padding (packing.py);
            off: prompts left-padded, completions right-padded.
   fused:   the LM head computes log p(token) and entropy in chunks of tokens from the final

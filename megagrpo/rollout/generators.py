@@ -135,7 +135,7 @@ class _ExpectedReloadWarnings(logging.Filter):
       and so our stream, never hold it, and the restored cache is the right one.
     - ParallelLMHead of a model with tied embeddings: the stream sends the shared weight once,
       as the embedding (vLLM skips lm_head.weight of tied models anyway); the head is then
-      re-derived from the new embedding by _refresh_tied_lm_head. tests/test_swap.py shows the
+      re-derived from the new embedding by _refresh_tied_lm_head. tests/test_rollout_weight_sync.py shows the
       engine's log-probs after a sync equal the trainer's. (docs/upstream-issues.md)
     While a partial stream loads (`partial`), every layer it leaves out warns so, and vLLM
     lists the weights it did not receive: both are dropped then."""

@@ -1,4 +1,4 @@
-"""Probe for test_agent.py: multi-turn GRPO steps through the real trainer, vLLM and sandbox,
+"""Probe for test_rollout_agent.py: multi-turn GRPO steps through the real trainer, vLLM and sandbox,
 with a record of every engine call. Writes agent_rank<r>.json to output_dir:
 - steps: each step's metrics (after `--steps` training steps, each followed by a weight sync);
 - calls: every rollout-engine call of a last rollout, its inputs and what it returned;

@@ -1,5 +1,5 @@
 """Tools, an environment and scripted tool-call parsers for the multi-turn tests
-(tests/test_agent.py, tests/helpers/agent_probe.py).
+(tests/test_rollout_agent.py, tests/helpers/agent_probe.py).
 
 The scripted parsers stand in for the model's tool-calling skill: they read the model's real
 turn and return calls through the real hermes parser, so that a tiny model that has never seen

@@ -1,4 +1,4 @@
-"""Real daemons on this machine for launch tests and benchmarks (tests/test_launch.py,
+"""Real daemons on this machine for launch tests and benchmarks (tests/test_cluster_launch.py,
 bench/launch_overhead.py): an sshd on 127.0.0.1 and a one-node SLURM cluster (munged,
 slurmctld, slurmd). Each listens on free ports and keeps every file under the folder it is
 given; the context managers stop the daemons on exit and fail if one will not stop.

@@ -4,8 +4,8 @@ Every program's own `add` is wrong for every test (or, for the timing case, righ
 and whatever it forges says nothing right either (an answer it sends in place of `add`'s is 0,
 wrong for every test), so an honest wrong answer's score (syntax only, 0.2 by default) is the
 most any of them may get.
-Used by tests/test_code_reward_adversarial.py (each case alone, host checked after it) and by
-the 2-rank training run of tests/test_eval.py (HostileCode mixes them with honest programs).
+Used by tests/test_rewards_code_adversarial.py (each case alone, host checked after it) and by
+the 2-rank training run of tests/test_evaluation.py (HostileCode mixes them with honest programs).
 '''
 TESTS = ["assert add(1, 2) == 3", "assert add(-4, 9) == 5", "assert add(2, 2) == 4"]
 WRONG = "\ndef add(a, b):\n    return a - b\n"

@@ -1,4 +1,4 @@
-"""Probe for test_lora.py: a LoRA policy before and over 3 training steps. Writes
+"""Probe for test_policy_lora.py: a LoRA policy before and over 3 training steps. Writes
 lora_rank<r>.json to output_dir with, for one fixed completion:
   base / policy_init / reference_init: log-probs under the base model loaded by transformers
       alone, the policy at initialisation (B = 0), and its reference (adapters disabled);

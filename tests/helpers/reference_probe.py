@@ -1,4 +1,4 @@
-"""Probe for test_objectives.py: GRPO steps with a moving reference (grpo.sync_ref_model),
+"""Probe for test_algorithm_objectives.py: GRPO steps with a moving reference (grpo.sync_ref_model),
 the policy's and the reference's whole weights after each step (gathered out of ZeRO-3 here,
 for the check; the mix itself gathers nothing). Writes reference_probe.pt to output_dir on rank 0.
 

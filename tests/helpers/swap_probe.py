@@ -1,4 +1,4 @@
-"""Probe for test_swap.py: one training step, then the rollout engine's logprobs of a fixed
+"""Probe for test_rollout_weight_sync.py: one training step, then the rollout engine's logprobs of a fixed
 completion next to the trainer's, before and after. Writes swap_rank<r>.json to output_dir.
 
     deepspeed --num_gpus 2 tests/helpers/swap_probe.py --config X.yaml key=value ...

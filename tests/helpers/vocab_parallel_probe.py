@@ -1,4 +1,4 @@
-"""Probe for test_vocab_parallel.py: each rank holds a vocabulary shard of the LM head; the
+"""Probe for test_policy_vocab_parallel.py: each rank holds a vocabulary shard of the LM head; the
 vocab-parallel fused log-probs, entropy and gradients are compared with the full-vocabulary
 computation that every rank also runs locally. Writes vocab_parallel_rank<r>.json to the folder given.
 

@@ -128,6 +128,7 @@ def test_untied_head_one_rank_exports_an_untied_model(untied, one_rank, tmp_path
     assert sorted(c) == sorted(exported) and all(torch.equal(c[k], exported[k]) for k in exported)
 
 
+@pytest.mark.multirank
 def test_untied_head_pipeline_round_trip(untied, one_rank, tmp_path):
     """hf-to-pipeline keeps every tensor (the head in the last stage's file); 2 pipeline stages
     (ZeRO-0) train from those files as one rank does; the pipeline checkpoint converts back to
@@ -158,6 +159,7 @@ def test_untied_head_pipeline_round_trip(untied, one_rank, tmp_path):
     assert sorted(c) == sorted(exported) and all(torch.equal(c[k], exported[k]) for k in exported)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("ds", ["ds_zero0", "ds_zero1", "ds_zero2"])
 def test_tensor_parallel(untied, one_rank, tmp_path, ds):
     """tp=2 (AutoTP; the untied head replicated) under ZeRO 0, 1 and 2 equals one rank."""
@@ -178,7 +180,7 @@ def test_tensor_parallel(untied, one_rank, tmp_path, ds):
     pytest.param(["deepspeed=configs/ds_zero3_offload.json", "grpo.mask_truncated_completions=true",
                   "rollout.max_new_tokens=8", "rollout.stop=[e]"], id="zero3-offload-mask-truncated"),
     # CISPO on the highest-entropy fifth of the tokens, with the off-policy sequence mask (GSPO
-    # and the entropy bonus are held to one rank under tp and pp: tests/test_parallel.py)
+    # and the entropy bonus are held to one rank under tp and pp: tests/test_policy_parallel.py)
     pytest.param(["grpo.loss_type=cispo", "grpo.top_entropy_quantile=0.2", "grpo.off_policy_mask_threshold=0.0"],
                  id="cispo-entropy-quantile-off-policy-mask"),
 ])

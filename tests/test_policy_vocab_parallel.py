@@ -4,9 +4,11 @@ backward (float64)."""
 import json
 import os
 
+import pytest
 from conftest import BIN, free_port, run
 
 
+@pytest.mark.multirank
 def test_vocab_parallel_matches_gathered_reference(tmp_path):
     run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
          "tests/helpers/vocab_parallel_probe.py", str(tmp_path)])

@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 
+import pytest
 from conftest import BIN, ROOT, free_port, run, tiny_overrides, write_jsonl
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -35,6 +36,7 @@ def launch(tiny, out, *extra):
                 "checkpoint.save_steps=2", "logging.sample_steps=2", *extra])
 
 
+@pytest.mark.multirank
 def test_two_rank_zero3_vllm_run_logs_and_resumes(tiny, tmp_path):
     out = tmp_path / "run"
     first = launch(tiny, out, "grpo.max_steps=4")

@@ -159,7 +159,7 @@ def test_scores_type_and_class_rewards_get_the_config():
             return Scores([self.scale * len(c) for c in completions], components={"len": [len(c) for c in completions]})
 
     import megagrpo.rewards as rewards
-    rewards.SUITE["probe_for_test"] = "test_reward_suite:_PROBE"
+    rewards.SUITE["probe_for_test"] = "test_rewards_suite:_PROBE"
     globals()["_PROBE"] = Probe
     try:
         fns = build_reward_functions([RewardFunctionConfig(name="probe_for_test", args={"scale": 2.0})],

@@ -46,6 +46,7 @@ def _logits(model, sequence):
         return model.eval()(input_ids=torch.tensor([sequence])).logits
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_lora_policy_on_the_real_stack(tiny, tmp_path, layout):
     ranks, extra = LAYOUTS[layout]
@@ -115,6 +116,7 @@ def _check_exports(tiny, out, sequence, convert):
     assert float((_logits(model, sequence) - live).abs().max()) < bound
 
 
+@pytest.mark.multirank
 def test_lora_learns_the_quickstart_task_and_its_adapter_evaluates_alike(tiny, tmp_path):
     out = tmp_path / "lora"
     run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "megagrpo.train",

@@ -111,6 +111,7 @@ def test_hostfile_parse_errors_name_file_and_line(tmp_path):
         assert message in str(e.value) and str(path) in str(e.value)
 
 
+@pytest.mark.multirank
 def test_malformed_hostfile_stops_launch_before_any_rank(tiny, tmp_path):
     bad = tmp_path / "hosts"
     bad.write_text("localhost slots=1\n127.0.0.1 slots=one\n")
@@ -122,6 +123,7 @@ def test_malformed_hostfile_stops_launch_before_any_rank(tiny, tmp_path):
     assert "launching" not in proc.stdout and not (tmp_path / "run").exists()
 
 
+@pytest.mark.multirank
 def test_shipped_job_configs_validate_and_dry_run(tiny, tmp_path, monkeypatch):
     """The real-job configs pass validation as shipped (hub model names are not fetched to
     validate), and the dry-run of train.sh and of the sbatch script (outside a job, SLURM's
@@ -192,6 +194,7 @@ def single_node_losses(tiny, tmp_path_factory):
     return losses(out)
 
 
+@pytest.mark.multirank
 @pytest.mark.daemons
 def test_pdsh_two_nodes_over_sshd_equal_single_node(tiny, tmp_path, sshd, single_node_losses):
     out = tmp_path / "run"
@@ -207,6 +210,7 @@ def test_pdsh_two_nodes_over_sshd_equal_single_node(tiny, tmp_path, sshd, single
     assert losses(out) == single_node_losses  # bit-identical
 
 
+@pytest.mark.multirank
 @pytest.mark.daemons
 def test_unreachable_host_stops_launch_before_any_rank(tiny, tmp_path, sshd):
     hosts = tmp_path / "hosts"
@@ -220,6 +224,7 @@ def test_unreachable_host_stops_launch_before_any_rank(tiny, tmp_path, sshd):
     assert "launching" not in proc.stdout and not (tmp_path / "run").exists()
 
 
+@pytest.mark.multirank
 @pytest.mark.daemons
 def test_memory_check_stops_launch_before_any_rank(tiny, tmp_path, sshd):
     """A node too small for the planned peak (NODE_MEMORY_GIB): exit 3 with the switches that
@@ -233,6 +238,7 @@ def test_memory_check_stops_launch_before_any_rank(tiny, tmp_path, sshd):
     assert "launching" not in proc.stdout and not (tmp_path / "run").exists()
 
 
+@pytest.mark.multirank
 @pytest.mark.daemons
 def test_rank_killed_mid_step_ends_the_job_promptly(tiny, tmp_path, sshd):
     """SIGKILL the rank on the second "node" after its first checkpoint: the launcher exits
@@ -310,6 +316,7 @@ def job_state(job, env):
     return fields["JobState"], int(fields.get("Restarts", 0))
 
 
+@pytest.mark.multirank
 @pytest.mark.daemons
 def test_slurm_sbatch_runs_and_a_requeued_job_resumes(tiny, tmp_path, slurm):
     """sbatch --wait of launch/slurm.sbatch (srun starts 2 ranks); then a second job on the
@@ -367,6 +374,7 @@ def test_slurm_sbatch_runs_and_a_requeued_job_resumes(tiny, tmp_path, slurm):
 
 # ---- OpenMPI ---------------------------------------------------------------------------------
 
+@pytest.mark.multirank
 @pytest.mark.daemons
 def test_mpirun_two_ranks(tiny, tmp_path, single_node_losses):
     """mpirun starts 2 ranks; they find rank, world size and rank 0 through mpi4py (DeepSpeed's

@@ -46,6 +46,7 @@ def _wait_for(condition, timeout, proc):
     raise AssertionError("timed out waiting for the run")
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("variant", ["mu1", "mu2", "dynamic_sampling_moving_reference", "lora"])
 def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
     """mu1, mu2: num_iterations 1 and 2; dynamic_sampling_moving_reference: several sampling
@@ -141,6 +142,7 @@ def test_crash_at_every_point_of_a_save_resumes_from_a_complete_checkpoint(tiny,
     assert "resumed from" in again.stdout and "done: 7 steps" in again.stdout
 
 
+@pytest.mark.multirank
 def test_resume_on_another_number_of_dp_ranks_continues_the_same_run(tiny, tmp_path):
     """A dp=2 ZeRO-3 checkpoint (step 1) resumed on one rank with the same global batch goes
     through DeepSpeed's universal checkpoint: its step 2 has the loss of the original layout's

@@ -241,6 +241,7 @@ def test_multi_turn_one_rank_tokens_logprobs_bad_calls_and_environment(tiny, tmp
         assert step["tokens/tool"] > 0 and step["tokens/model"] > 0
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", ["dp2_zero3", "tp2"])
 def test_multi_turn_two_ranks_tokens_and_logprobs(tiny, tmp_path, layout):
     """dp 2 under ZeRO-3: each rank samples its own prompts. tp 2: the first rank samples and

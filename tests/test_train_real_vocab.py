@@ -5,6 +5,7 @@ import json
 import math
 import os
 
+import pytest
 import torch
 from conftest import BIN, PYTHON, ROOT, free_port, run, tiny_overrides
 from safetensors.torch import load_file
@@ -22,6 +23,7 @@ def scalars(out, tag):
     return [e.value for e in acc.Scalars(tag)]
 
 
+@pytest.mark.multirank
 def test_real_vocabulary_grpo_on_two_ranks(tiny, tmp_path):
     model = tmp_path / "qwen2.5-0.5b-2layers"
     run([PYTHON, "tools/make_tiny_model.py", "--shape", "qwen2.5-0.5b", "--layers", "2", "--out", str(model),

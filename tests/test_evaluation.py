@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 from conftest import BIN, ROOT, free_port, run, tiny_overrides, write_jsonl
-from test_e2e import scalars
-from test_reward_suite import make_reward_model, reference_scores
+from test_rewards_suite import make_reward_model, reference_scores
+from test_train_e2e import scalars
 
 from megagrpo.evaluation import distinct_n, pass_at_k, pass_k_values, perplexity, summarize
 
@@ -130,6 +130,7 @@ def test_megagrpo_eval_on_vllm(tiny, tmp_path):
     assert {"eval/rouge1", "eval/rouge2", "eval/rougeL", "eval/distinct_3", "eval/pass@4/code"} <= set(values)
 
 
+@pytest.mark.multirank
 def test_grpo_with_code_reward_and_reward_model(tiny, tmp_path):
     """2 ranks, ZeRO-3, through the deepspeed launcher: the code reward runs tiny-model
     completions in the sandbox, a reward model (a ZeRO-3 inference engine) adds its score by

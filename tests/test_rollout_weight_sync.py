@@ -10,9 +10,10 @@ from conftest import BIN, free_port, run, tiny_overrides
 from transformers import AutoTokenizer
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("engine,tp", [("vllm", 1), ("hf", 1), ("vllm", 2)])
-def test_swap_after_step(tiny, tmp_path, engine, tp):
-    out = tmp_path / "swap"
+def test_weight_sync_after_step(tiny, tmp_path, engine, tp):
+    out = tmp_path / "weight_sync"
     run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
          "tests/helpers/swap_probe.py", "--config", "configs/tiny_arith.yaml",
          *tiny_overrides(tiny, out, **{"rollout.engine": engine, "grpo.learning_rate": 1e-3,

@@ -51,6 +51,7 @@ def single_rank(tiny, tmp_path_factory):
     return get
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("ranks,tp,objective", [(2, 2, "default"), (4, 2, "cispo")])
 def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp, objective):
     """cispo: CISPO with an entropy bonus (its gradient through the fused head) under AutoTP."""
@@ -155,6 +156,7 @@ def test_pipeline_activation_checkpointing_recomputes_every_decoder_layer(tiny):
     assert result["output_difference"] == 0.0 and result["gradient_difference"] == 0.0
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("ranks,tp,pp,ds,checkpointing,objective", [
     (2, 1, 2, "ds_zero0", False, "default"), (4, 1, 2, "ds_zero1", False, "default"),
     (2, 1, 2, "ds_zero0", True, "default"), (4, 2, 2, "ds_zero0", False, "gspo"),

@@ -3,9 +3,11 @@ by at least 20 points. Runs launch/quickstart.sh itself, as a user would."""
 import json
 import re
 
+import pytest
 from conftest import free_port, run
 
 
+@pytest.mark.multirank
 def test_quickstart_learns(tmp_path):
     proc = run(["bash", "launch/quickstart.sh"], timeout=800,
                env={"RUN_DIR": str(tmp_path / "tiny"), "MASTER_PORT": str(free_port())})
@@ -21,6 +23,7 @@ def test_quickstart_learns(tmp_path):
     assert "Successfully reset prefix cache" not in proc.stdout + proc.stderr  # vLLM INFO is off by default
 
 
+@pytest.mark.multirank
 def test_agent_quickstart_learns_to_use_the_tool(tmp_path):
     """AGENT=1: held-out accuracy on 3-digit products rises by at least 20 points, and so does
     the share of held-out trajectories that call the python tool."""

@@ -244,6 +244,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_their_details():
     assert none.num_groups == 1 and none.metrics["sampling/groups_informative"] == 0  # one group, no advantage
 
 
+@pytest.mark.multirank
 def test_moving_reference_mixes_partition_by_partition_on_two_zero3_ranks(tiny, tmp_path):
     """Every 2 steps the reference becomes 0.5 x policy + 0.5 x reference (ZeRO-3, 2 ranks,
     each rank mixing its own partitions); in between it stays as it was."""

@@ -29,6 +29,7 @@ def test_bad_training_file_ends_with_its_name_and_no_traceback(tiny, tmp_path, r
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
+@pytest.mark.multirank
 def test_dry_run_before_the_data_exists_and_without_the_hub(tiny, tmp_path):
     """The 7B job's dry run on a 4 x 8 hostfile: its data files are not prepared, so they are
     warned about and the plan goes on; the hub model's config cannot be read offline, which
