@@ -21,6 +21,14 @@ elif [ "$AGENT" = 1 ]; then
 else
   RUN_DIR="${RUN_DIR:-runs/tiny}" CONFIG=configs/tiny_arith.yaml TASK=add TOOLS="" TOOL_TOKENS=""
 fi
+if [ "$AGENT" = 1 ] && ! command -v bwrap >/dev/null 2>&1 && [[ "$*" != *"mode: rlimits"* ]]; then
+  # said now rather than after the install and the warm start, where the python tool would refuse
+  echo "megagrpo: AGENT=1 runs model-written code in the sandbox, which needs bubblewrap (bwrap is not on PATH)." >&2
+  echo "  Install it: sudo bash launch/install_system.sh (or apt-get install bubblewrap)," >&2
+  echo "  or accept rlimits only (the code can read this machine's files and reach its network):" >&2
+  echo "  AGENT=1 bash launch/quickstart.sh 'rollout.tools=[{name: python, args: {timeout_s: 5, mode: rlimits}}]'" >&2
+  exit 1
+fi
 NUM_RANKS="${NUM_RANKS:-2}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 

@@ -153,12 +153,15 @@ def test_configuration_page_is_generated_from_the_schema():
     assert all(f"`{name}`" in committed for name in aliases.ALIASES)
 
 
-def test_train_loop_has_no_layout_branch():
+def test_train_loop_has_no_layout_branch_and_knows_no_lora_or_zero():
     text = (PACKAGE / "train.py").read_text()
     branches = [line for line in text.splitlines()
                 if re.search(r"\b(if|elif|else)\b.*(pipeline|pp_size|tp_size|PipelineLoss)", line)]
     assert not branches, f"layout branches in train.py (they belong to megagrpo/policy): {branches}"
     assert "PipelineLoss" not in text and "self.pipeline" not in text
+    # ZeRO and LoRA live behind the policy too (its layout(), adapter_config, exports)
+    for word in ("lora", "zero_stage", ".policy.module", "deepspeed_json"):
+        assert word not in text, f"train.py knows {word!r}: ask the policy (megagrpo/policy/base.py) instead"
     assert len(text.splitlines()) <= 350
 
 

@@ -328,7 +328,7 @@ def _check_resumable(path: str, this_run: TrainerState, topo: Topology) -> bool:
     """Refuse a checkpoint this run cannot continue (before loading anything); returns
     whether it needs re-sharding (saved with another number of data- or tensor-parallel ranks)."""
     num_prompts, prompts_per_step = this_run.num_prompts, this_run.prompts_per_step
-    zero, lora = this_run.layout["zero_stage"], this_run.layout["lora"]
+    zero, adapters = this_run.layout["zero_stage"], this_run.layout["lora"]
     try:
         state = read_trainer_state(path)
     except (OSError, ValueError):
@@ -337,14 +337,14 @@ def _check_resumable(path: str, this_run: TrainerState, topo: Topology) -> bool:
         raise ConfigError(f"checkpoint '{path}' was saved with {state['num_prompts']} training prompts, this "
                           f"run has {num_prompts}; the prompt order would not continue. Resume with the same data")
     saved_lora = state.get("layout", {}).get("lora")
-    if saved_lora != lora:
+    if saved_lora != adapters:
         raise ConfigError(f"checkpoint '{path}' was saved with model.lora={saved_lora or 'off'}, this run has "
-                          f"model.lora={lora or 'off'}; resume with the same adapter settings")
+                          f"model.lora={adapters or 'off'}; resume with the same adapter settings")
     try:
         reshard = needs_reshard(state, topo.dp_size, topo.tp_size, topo.pp_size, prompts_per_step, zero)
     except ValueError as e:
         raise ConfigError(f"checkpoint '{path}' {e}") from None
-    if reshard and lora:
+    if reshard and adapters:
         raise ConfigError(f"checkpoint '{path}' is a LoRA checkpoint saved with dp={state['dp_size']}; re-sharding "
                           f"one to dp={topo.dp_size} is not supported: resume with the same number of ranks")
     return reshard

@@ -1,14 +1,15 @@
 """What the trainer asks of the policy, whatever the parallel layout.
 
-    engine = build_policy(cfg, topology, total_steps)      # megagrpo.policy
-    micro_batches = engine.micro_batches(batch)            # rows per micro-batch, same count on every rank
-    batch.ref_logp = engine.logprobs(batch, micro_batches, reference=True)
-    metrics = engine.optimize(batch, micro_batches)        # num_iterations passes, one step each
-    for name, tensor in engine.full_tensors(): ...         # whole HF tensors (weight sync, export)
+    policy = build_policy(cfg, topology, total_steps)      # megagrpo.policy
+    micro_batches = policy.micro_batches(batch)            # rows per micro-batch, same count on every rank
+    batch.ref_logp = policy.logprobs(batch, micro_batches, reference=True)
+    metrics = policy.optimize(batch, micro_batches)        # num_iterations passes, one step each
+    for name, tensor in policy.full_tensors(): ...         # whole HF tensors (weight sync, export)
+    policy.layout(), policy.adapter_config                 # what checkpoints record and save
 
-Two implementations: ZeroPolicy (deepspeed_engine.py: ZeRO 0-3, AutoTP) and
-PipelinePolicy (pipeline_engine.py: DeepSpeed PipelineModule). What they share lives here:
-micro-batching, the loss normalisers and the step's statistics.
+Two implementations: ZeroPolicy (zero.py: ZeRO 0-3, AutoTP) and PipelinePolicy (pipeline.py:
+DeepSpeed PipelineModule). What they share lives here: micro-batching, the loss normalisers,
+the step's statistics, the moving reference, and what checkpoints and exports ask.
 """
 from __future__ import annotations
 
