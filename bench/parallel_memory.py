@@ -72,13 +72,13 @@ def probe(model, out_dir, tp, pp, stage):
                                            "stage3_param_persistence_threshold": 0,
                                            "contiguous_gradients": False}}
     policy = build_policy(cfg, topology, total_steps=10)
-    per_rank = GLOBAL_SEQUENCES // topology.dp_size
+    sequences_per_rank = GLOBAL_SEQUENCES // topology.dp_size
     gen = torch.Generator().manual_seed(topology.dp_rank)
     vocab = policy.engine.module.config.vocab_size
-    prompts = [torch.randint(3, vocab, (32,), generator=gen).tolist() for _ in range(per_rank)]
+    prompts = [torch.randint(3, vocab, (32,), generator=gen).tolist() for _ in range(sequences_per_rank)]
     completions = [Completion(torch.randint(3, vocab, (SEQUENCE_LENGTH - 32,), generator=gen).tolist(),
-                              [0.0] * (SEQUENCE_LENGTH - 32), False) for _ in range(per_rank)]
-    batch = make_batch(prompts, completions, torch.randn(per_rank, generator=gen), pad_id=0)
+                              [0.0] * (SEQUENCE_LENGTH - 32), False) for _ in range(sequences_per_rank)]
+    batch = make_batch(prompts, completions, torch.randn(sequences_per_rank, generator=gen), pad_id=0)
     times = []
     for _ in range(3):
         start = time.perf_counter()
