@@ -66,12 +66,12 @@ def _apply_aliases(raw: dict) -> dict:
 
 def _apply_renames(raw: dict) -> None:
     """Former setting names (aliases.RENAMED) moved to their new places, with a line saying so."""
-    for old, new in RENAMED.items():
-        section, name = old.rsplit(".", 1)
-        node = raw.get(section) if "." not in section else None
+    for old, new in RENAMED.items():  # both "section.key"
+        section, name = old.split(".")
+        node = raw.get(section)
         if not isinstance(node, dict) or name not in node:
             continue
-        new_section, new_name = new.rsplit(".", 1)
+        new_section, new_name = new.split(".")
         target = raw.setdefault(new_section, {})
         if new_name in target:
             raise ConfigError(f"{old} and {new} are both set; {old} is the former name of {new}: keep only {new}")
