@@ -127,6 +127,44 @@ def rollout_metrics(rewards: torch.Tensor, per_function: torch.Tensor, advantage
     return out
 
 
+class StartupTimeline:
+    """Where a rank's start-up goes, from its process's start (the interpreter and imports) to
+    its first rollout, phase by phase: lap(phase) ends a phase. The main rank prints one line
+    (the slowest rank's phases) and writes startup/* at the run's first step to every sink."""
+
+    def __init__(self):
+        self.start = process_start_time()
+        self.seconds, self._last = {}, self.start
+
+    def lap(self, phase: str) -> None:
+        now = time.time()
+        self.seconds[phase], self._last = self.seconds.get(phase, 0.0) + now - self._last, now
+
+    def slowest(self) -> dict:
+        """Each phase's seconds on the slowest rank of the job, and total: the slowest rank's
+        time from its process start to now (the job starts its first step together)."""
+        phases = list(self.seconds) + ["total"]
+        mine = torch.tensor([self.seconds[p] for p in self.seconds] + [self._last - self.start], dtype=torch.float64)
+        return dict(zip(phases, all_reduce(mine, "max").tolist()))
+
+    @staticmethod
+    def line(slowest: dict) -> str:
+        phases = ", ".join(f"{p} {s:.1f}" for p, s in slowest.items() if p != "total")
+        return f"ready in {slowest['total']:.1f} s: {phases} (slowest rank's seconds from its process start)"
+
+
+def process_start_time() -> float:
+    """This process's start as a Unix time (Linux /proc; elsewhere: now)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
 class PhaseClock:
     """Seconds and peak resident memory of each phase of a step, lap by lap (a phase lapped
     twice adds up its seconds and keeps the larger peak). The peak is this process's high-water

@@ -31,6 +31,7 @@ from megagrpo.metrics import (
     MetricsLogger,
     PhaseClock,
     Progress,
+    StartupTimeline,
     quiet_library_output,
     rollout_metrics,
     samples_markdown,
@@ -47,12 +48,14 @@ from megagrpo.validation import load_config
 
 
 class Trainer:
-    def __init__(self, cfg: Config, topology: Topology):
+    def __init__(self, cfg: Config, topology: Topology, startup: StartupTimeline | None = None):
         self.cfg, self.topo = cfg, topology
+        self.startup = startup = startup or StartupTimeline()
         g = cfg.grpo
         self.device = torch.device(f"cuda:{topology.local_rank}" if torch.cuda.is_available() else "cpu")
         self.log = lambda msg: print(f"[megagrpo] {msg}", flush=True) if topology.is_main else None
         self.stack = build_rollout_stack(cfg)  # tokenizer, tools, prompts, reward functions
+        startup.lap("data")
         self.tokenizer, self.prompts = self.stack.tokenizer, self.stack.prompts
         self.log(f"{len(self.prompts)} training prompts; {self.stack.dropped['train']} dropped as longer than "
                  f"data.max_prompt_length={cfg.data.max_prompt_length}")
@@ -62,10 +65,12 @@ class Trainer:
         self.total_steps = g.max_steps if g.max_steps > 0 else max(
             1, math.ceil(g.num_train_epochs * self.sampler.steps_per_epoch))
         self.policy = build_policy(cfg, topology, self.total_steps)
+        startup.lap("policy")
         # every rank builds a generator (vLLM's external launcher forms its groups over all
         # ranks); the first rank of each model group samples for the group
         self.stack.start_generator(seed=g.seed + topology.dp_rank)
         self.generator = self.stack.generator
+        startup.lap("generator")
         self.metrics = MetricsLogger(cfg.output_dir, cfg.logging, topology.is_main, to_dict(cfg))
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         os.makedirs(cfg.output_dir, exist_ok=True)
@@ -78,7 +83,12 @@ class Trainer:
     def train(self) -> dict:
         cfg = self.cfg
         self.resume()
+        self.startup.lap("resume")
         self.sync_generator_weights()
+        self.startup.lap("weight sync")
+        startup = self.startup.slowest()
+        self.log(StartupTimeline.line(startup))
+        self.metrics.scalars(self.step, {f"startup/{p.replace(' ', '_')}_s": s for p, s in startup.items()})
         results = {}
         if self.stack.eval_prompts and self.step == 0:
             results["before"] = self.evaluate()
@@ -270,6 +280,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    startup = StartupTimeline()
+    startup.lap("imports")
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides, planning=args.dry_run)
@@ -284,10 +296,12 @@ def main(argv=None) -> int:
             print(format_plan(plan))
         return 0
     quiet_library_output()
+    startup.lap("config")
     topology = init_distributed(args.timeout_minutes, cfg.parallel.tensor_parallel_size,
                                 cfg.parallel.pipeline_parallel_size)
+    startup.lap("distributed")
     try:
-        Trainer(cfg, topology).train()
+        Trainer(cfg, topology, startup).train()
     except Exception as e:  # noqa: BLE001 - every failure must end this rank now
         if not isinstance(e, (DataError, RewardError, ConfigError)):
             traceback.print_exc()
