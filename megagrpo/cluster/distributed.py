@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megagrpo.cluster.topology import Topology
 
 SHM_OP = "deepspeed_shm_comm"   # the op DeepSpeed builds in TorchBackend.__init__ on CPU
+CPU_ADAM_OP = "cpu_adam"        # ZeRO optimizer offload's Adam (DeepSpeedCPUAdam)
 STALE_LOCK_S = 600               # its build takes about a minute on 2 cores
 
 
@@ -69,23 +70,48 @@ def prepare_op_build(clear_lock: bool = True) -> None:
         clear_stale_build_lock(SHM_OP)
 
 
-def build_cpu_ops() -> None:
+def build_cpu_ops(cpu_adam: bool = False) -> None:
     """Build DeepSpeed's CPU ops now (launch/install.sh), so that jobs only load them: the
-    shared-memory all-reduce every job uses, and CPU Adam, which ZeRO offload uses (its first
-    build takes minutes)."""
+    shared-memory all-reduce every job uses, and (cpu_adam) CPU Adam, which only ZeRO offload
+    uses and whose first build takes minutes."""
     from deepspeed.accelerator import get_accelerator
 
     prepare_op_build()
     get_accelerator().create_op_builder("ShareMemCommBuilder").load()
-    get_accelerator().create_op_builder("CPUAdamBuilder").load()
+    if cpu_adam:
+        get_accelerator().create_op_builder("CPUAdamBuilder").load()
+
+
+def say_if_cpu_adam_builds(ds_config: dict, log) -> None:
+    """ZeRO's optimizer offload runs DeepSpeed's CPU Adam, built on its first use in a venv
+    (minutes; every rank waits): say so before DeepSpeed starts it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    offload = (ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    if offload.get("device", "none") == "none" or "optimizer" not in ds_config:
+        return
+    use_venv_extensions_dir()
+    if not os.path.exists(os.path.join(_get_build_directory(CPU_ADAM_OP, verbose=False), f"{CPU_ADAM_OP}.so")):
+        log("building DeepSpeed's CPU Adam for ZeRO offload: once per venv, a few minutes (or before the job: "
+            "MEGAGRPO_OFFLOAD_OPS=1 bash launch/install.sh)")
 
 
 def use_venv_extensions_dir() -> None:
     """Build torch extensions (DeepSpeed's JIT ops) inside this venv unless TORCH_EXTENSIONS_DIR
     says where: torch's default folder is shared by all of a user's venvs, and a job from one
-    rebuilds the op the other's jobs are loading."""
+    rebuilds the op the other's jobs are loading.
+
+    And always with this venv's ninja (pip's, a dependency), put first on PATH: torch runs the
+    first `ninja` on PATH, and two versions (Debian's 1.11 and pip's 1.13 here) hash commands
+    differently in the build log, so each takes the other's build for stale and rebuilds it
+    (about 40 s on 2 cores, every rank waiting). Without this, a job started from an activated
+    venv and one started as .venv/bin/python rebuilt the op in turn."""
     if "TORCH_EXTENSIONS_DIR" not in os.environ and os.access(sys.prefix, os.W_OK):
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
+    venv_bin = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if os.path.isfile(os.path.join(venv_bin, "ninja")) and path[0] != venv_bin:
+        os.environ["PATH"] = os.pathsep.join([venv_bin] + path)
 
 
 def clear_stale_build_lock(extension: str, max_age_s: float = STALE_LOCK_S) -> bool:

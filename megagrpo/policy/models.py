@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
+from megagrpo.cluster.distributed import say_if_cpu_adam_builds
 from megagrpo.config.deepspeed_json import read_deepspeed_config
 from megagrpo.config.schema import Config
 from megagrpo.dtypes import DTYPES
@@ -138,6 +139,8 @@ def initialize(model: torch.nn.Module, cfg: Config, deepspeed_settings: DeepSpee
     """deepspeed.initialize for training: AdamW (DeepSpeed's when the JSON names an optimizer),
     linear warmup and the configured schedule."""
     ds_config = deepspeed_settings.config
+    if torch.distributed.get_rank() == 0:
+        say_if_cpu_adam_builds(ds_config, lambda message: print(f"[megagrpo] {message}", flush=True))
     trained = [p for p in model.parameters() if p.requires_grad]  # a LoRA policy: its adapters only
     optimizer = None
     if "optimizer" not in ds_config:
