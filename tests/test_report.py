@@ -6,6 +6,7 @@ the offline W&B run's transaction log); its log has one compact progress line pe
 Chromium shows the page with nothing on its console."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -63,6 +64,14 @@ def test_every_sink_gets_the_same_metrics(logged_run):
     assert history.keys() == jsonl.keys()
     assert all(history[key] == pytest.approx(jsonl[key], rel=1e-12) for key in jsonl)
     assert (wandb["project"], wandb["name"], wandb["tags"]) == ("megagrpo", "run", ["ci"])
+    # the start-up timeline: the slowest rank's phases at step 0, summing to its total, and on the console
+    startup = rows[0]
+    phases = ["imports", "config", "distributed", "data", "policy", "generator", "resume", "weight_sync"]
+    assert list(startup) == ["step", *(f"startup/{p}_s" for p in phases), "startup/total_s"] and startup["step"] == 0
+    assert sum(startup[f"startup/{p}_s"] for p in phases) == pytest.approx(startup["startup/total_s"], abs=1e-6)
+    assert startup["startup/imports_s"] > 0.5 and startup["startup/generator_s"] > 0.5, startup
+    ready = re.search(r"\[megagrpo\] ready in ([\d.]+) s from the process start: imports [\d.]+, config", proc.stdout)
+    assert ready and float(ready.group(1)) == round(startup["startup/total_s"], 1), proc.stdout[-3000:]
     assert wandb["config"]["grpo"]["max_steps"] == 4 and wandb["config"]["logging"]["report_to"] == [
         "tensorboard", "jsonl", "wandb"]  # the resolved config
     # stdout is a pipe: one compact line per logged step, no progress bar
