@@ -32,6 +32,11 @@ fi
 NUM_RANKS="${NUM_RANKS:-2}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  # no GPU: say CPU, or DeepSpeed warns that it found no accelerator in every process (the
+  # launcher's two and each rank) while it is imported, before any filter could drop it
+  export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+fi
 bash launch/install.sh
 source .venv/bin/activate
 export PYTHONUNBUFFERED=1
@@ -49,7 +54,9 @@ fi
 echo "== 3/3 GRPO: deepspeed --num_gpus $NUM_RANKS (CPU ranks), ZeRO-3, vLLM co-located ($CONFIG)"
 rm -rf "${RUN_DIR:?}/$GRPO_DIR"  # the quickstart starts over each time (real runs resume: see docs/outputs-and-checkpoints.md)
 START=$(date +%s)
-deepspeed --num_gpus "$NUM_RANKS" --master_port "$MASTER_PORT" --module megagrpo.train \
+# --log_level error: the launcher's INFO lines (its command, world info, each process spawned and
+# exiting) and its hostfile warning stay off the console; a rank's failure still shows (ERROR)
+deepspeed --num_gpus "$NUM_RANKS" --master_port "$MASTER_PORT" --log_level error --module megagrpo.train \
   --config "$CONFIG" \
   model.name_or_path="$RUN_DIR/warm" data.train_file="$RUN_DIR/data/train.jsonl" \
   data.eval_file="$RUN_DIR/data/eval.jsonl" output_dir="$RUN_DIR/$GRPO_DIR" checkpoint.resume=none "$@"

@@ -223,10 +223,15 @@ def samples_markdown(prompt, texts: list[str], rewards: list[float]) -> str:
 def quiet_library_output() -> None:
     """A run's console shows megagrpo's lines, the progress bar and real warnings. vLLM logs
     INFO lines on every step and rank (prefix-cache resets, reload timings): its level is
-    WARNING unless VLLM_LOGGING_LEVEL says otherwise. DeepSpeed and vLLM call collectives
-    that torch marks deprecated (FutureWarning on every first use per rank): nothing a user
-    can act on, so those are not shown."""
+    WARNING unless VLLM_LOGGING_LEVEL says otherwise. The upstream warnings known not to apply
+    to a megagrpo job are filtered, and progress bars of model loading and data preparation
+    are drawn on a terminal only (megagrpo/console.py, docs/upstream-issues.md). DeepSpeed and
+    vLLM call collectives that torch marks deprecated (FutureWarning on every first use per
+    rank): nothing a user can act on, so those are not shown."""
+    from megagrpo.console import quiet_console
+
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    quiet_console()
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 

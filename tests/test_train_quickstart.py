@@ -1,10 +1,53 @@
 """Learning: the quickstart (tiny model, 2 CPU ranks, ZeRO-3, vLLM) raises held-out accuracy
-by at least 20 points. Runs launch/quickstart.sh itself, as a user would."""
+by at least 20 points, on a quiet console. Runs launch/quickstart.sh itself, as a user would."""
 import json
 import re
 
 import pytest
 from conftest import free_port, run
+
+# What the quickstart's console (stdout and stderr) may show, from start to end (issue 25): the
+# install summary, the three phases with their own lines, the layout, the start-up time, the
+# held-out score before and after, one line per logged step, checkpoints, the export, where the
+# logs are. Upstream noise is filtered (megagrpo/console.py, docs/upstream-issues.md).
+QUICKSTART_CONSOLE = [
+    r"megagrpo: (\S+ is up to date \(\w+ stack\)|installed torch .*)",
+    r"== [123]/3 .*",
+    r"wrote \d+ train and \d+ eval prompts .*",
+    r"tiny Qwen2: [\d.]+M parameters, .* -> \S+",
+    r"warm start step +\d+/\d+ loss [\d.]+ \(\d+s\)",
+    r"warm-started model -> \S+",
+    r"\[megagrpo\] world \d+ = dp \d+ x tp \d+ x pp \d+; .*",
+    r"\[megagrpo\] \d+ training prompts; .*",
+    r"\[megagrpo\] ready in [\d.]+ s\b.*",  # the start-up timeline
+    r"\[megagrpo\] held-out (before|after) training: reward .*",
+    r"\[megagrpo\] step \d+/\d+ reward .*",
+    r"\[megagrpo\] checkpoint saved: \S+",
+    r"\[megagrpo\] .* written to \S+",
+    r"\[megagrpo\] done: .*",
+    r"GRPO took \d+s",
+    r"held-out accuracy: .*",
+    r"TensorBoard: .*",
+]
+# Left, with the reason:
+# - vLLM's CPU worker binds the rank's memory to its NUMA node through a C++ op that warns
+#   through torch's C++ logging, unconditionally: only TORCH_CPP_LOG_LEVEL=ERROR would hide it,
+#   and that hides every other C++ warning of the job as well (docs/upstream-issues.md).
+# - not yet quiet, pending a change to megagrpo/cluster/distributed.py: DeepSpeed's print when it
+#   loads its CPU all-reduce op (console.dropping_known_prints around deepspeed.init_distributed),
+#   and the build-lock notice when the lock is the other rank's, held while it loads the op.
+QUICKSTART_CONSOLE_LEFT = [
+    r"\[rank\d+\]:\[W\d+ [\d:.]+ utils\.cpp:\d+\] Warning: NUMA binding: Using MEMBIND policy .*",
+    r"DeepSpeed deepspeed\.ops\.comm\.deepspeed_shm_comm_op built successfully",
+    r"\[megagrpo\] \S+/deepspeed_shm_comm/lock exists \(\d+ s old\): waiting for the process building .*",
+]
+
+
+def unexpected_console_lines(output: str) -> list[str]:
+    """The lines (progress bars' carriage-return frames and blank lines included) that no
+    pattern of the quickstart's console allows."""
+    allowed = [re.compile(p) for p in QUICKSTART_CONSOLE + QUICKSTART_CONSOLE_LEFT]
+    return [line for line in output.splitlines() if not any(p.fullmatch(line) for p in allowed)]
 
 
 @pytest.mark.multirank
@@ -21,6 +64,22 @@ def test_quickstart_learns(tmp_path):
     # vLLM's expected per-sync reload warnings are filtered (rollout/generators.py), nothing else
     assert "Failed to load weights" not in proc.stdout + proc.stderr
     assert "Successfully reset prefix cache" not in proc.stdout + proc.stderr  # vLLM INFO is off by default
+    noise = unexpected_console_lines(proc.stdout) + unexpected_console_lines(proc.stderr)
+    assert not noise, "lines on the quickstart's console that its list does not allow:\n" + "\n".join(noise)
+    for shown in (r"\[megagrpo\] world 2 = dp 2 .*", r"\[megagrpo\] held-out before training: .*",
+                  r"\[megagrpo\] step 40/40 .*", r"\[megagrpo\] held-out after training: .*", r"\[megagrpo\] done: .*"):
+        assert re.search(f"^{shown}$", proc.stdout, re.M), f"{shown} missing from the console:\n{proc.stdout[-3000:]}"
+
+
+def test_the_console_check_names_the_lines_it_does_not_allow():
+    console = ("== 3/3 GRPO: deepspeed --num_gpus 2\n"
+               "[2026-12-02 00:52:25,571] [WARNING] [runner.py:214:fetch_hostfile] Unable to find hostfile\n"
+               "[megagrpo] step 7/40 reward 0.656 kl 0.0445 step 0.55s tokens/s 6321 eta 0:00:28\n\n"
+               "Loading weights:   0%|          | 0/26\rLoading weights: 100%|██████████| 26/26\n"
+               "held-out accuracy: 10.0% before GRPO -> 98.3% after\n")
+    assert unexpected_console_lines(console) == [
+        "[2026-12-02 00:52:25,571] [WARNING] [runner.py:214:fetch_hostfile] Unable to find hostfile", "",
+        "Loading weights:   0%|          | 0/26", "Loading weights: 100%|██████████| 26/26"]
 
 
 @pytest.mark.multirank

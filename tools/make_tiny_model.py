@@ -21,10 +21,14 @@ import argparse
 import json
 import os
 import string
+import sys
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megagrpo.console import on_terminal, quiet_console
 
 # ChatML. With tools, a system block lists them in one line (name(arguments)), and `tool`
 # messages go back as a user turn of <tool_response> blocks, as Qwen2.5's template does; without
@@ -86,7 +90,8 @@ def build_tokenizer(paths: list[str], vocab_size: int, pad_to_size: bool = False
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=on_terminal())  # off one: blank lines
     tok.train_from_iterator(corpus_texts(paths), trainer=trainer)
     if pad_to_size:
         tok = pad_vocabulary(tok, vocab_size)
@@ -148,6 +153,7 @@ def main(argv=None):
     if shape:
         p.set_defaults(**SHAPES[shape])
     args = p.parse_args(argv)
+    quiet_console()  # no progress bars (transformers' `Writing model shards`) off a terminal
 
     torch.manual_seed(args.seed)
     if args.config_only:

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megagrpo.console import quiet_console
 from megagrpo.rollout.agent import ToolMessageRenderer
 from megagrpo.rollout.tools import PYTHON_SCHEMA
 
@@ -62,6 +63,7 @@ def main(argv=None):
     p.add_argument("--max-tool-response-tokens", type=int, default=256,
                    help="as rollout.max_tool_response_tokens")
     args = p.parse_args(argv)
+    quiet_console()  # no progress bars (transformers' `Loading weights`, `Writing model shards`) off a terminal
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)

@@ -20,6 +20,7 @@ from typing import Iterable
 import torch
 
 from megagrpo.config.schema import Config, max_sequence_length
+from megagrpo.console import on_terminal
 from megagrpo.policy.batch import Completion
 
 
@@ -68,7 +69,8 @@ class VLLMGenerator:
             max_model_len=r.max_model_len or max_sequence_length(cfg),
             logprobs_mode="processed_logprobs", enable_sleep_mode=self.can_sleep,
             # multi-turn rollouts send each trajectory's growing prefix again every turn
-            enforce_eager=not _on_gpu(), enable_prefix_caching=r.max_turns > 1, **kwargs)
+            enforce_eager=not _on_gpu(), enable_prefix_caching=r.max_turns > 1,
+            use_tqdm_on_load=on_terminal(), **kwargs)  # its loading bar, on a terminal only
         tied = bool(getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False))
         self.reload_warnings = _ExpectedReloadWarnings(tied)
         for name in (RELOAD_LOGGER, INPLACE_LOGGER):
