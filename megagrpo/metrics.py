@@ -141,16 +141,17 @@ class StartupTimeline:
         self.seconds[phase], self._last = self.seconds.get(phase, 0.0) + now - self._last, now
 
     def slowest(self) -> dict:
-        """Each phase's seconds on the slowest rank of the job, and total: the slowest rank's
-        time from its process start to now (the job starts its first step together)."""
+        """The phases of the job's slowest rank (the one whose process start lies furthest
+        back), each in seconds, and their total: the job starts its first rollout together."""
         phases = list(self.seconds) + ["total"]
         mine = torch.tensor([self.seconds[p] for p in self.seconds] + [self._last - self.start], dtype=torch.float64)
-        return dict(zip(phases, all_reduce(mine, "max").tolist()))
+        every = all_gather_1d(mine).view(-1, len(phases))
+        return dict(zip(phases, every[every[:, -1].argmax()].tolist()))
 
     @staticmethod
     def line(slowest: dict) -> str:
         phases = ", ".join(f"{p} {s:.1f}" for p, s in slowest.items() if p != "total")
-        return f"ready in {slowest['total']:.1f} s: {phases} (slowest rank's seconds from its process start)"
+        return f"ready in {slowest['total']:.1f} s from the process start: {phases} (the slowest rank)"
 
 
 def process_start_time() -> float:

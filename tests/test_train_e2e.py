@@ -157,7 +157,7 @@ def test_stale_deepspeed_build_lock_is_removed_not_waited_on(tiny, tmp_path, mon
     release = threading.Timer(1.0, lambda: (events.append("released"), os.unlink(lock)))
     release.start()
     try:
-        removed = clear_stale_build_lock(SHM_OP)
+        removed = clear_stale_build_lock(SHM_OP, say_after_s=0.5)
         events.append("returned")
     finally:
         release.cancel()
@@ -166,7 +166,7 @@ def test_stale_deepspeed_build_lock_is_removed_not_waited_on(tiny, tmp_path, mon
     assert f"{lock} exists (" in capsys.readouterr().err  # it said what it waits for
 
     open(lock, "w").close()  # young, and nobody releases it: removed once it is max_age_s old
-    assert clear_stale_build_lock(SHM_OP, max_age_s=2) and not os.path.exists(lock)
+    assert clear_stale_build_lock(SHM_OP, max_age_s=2, say_after_s=0.5) and not os.path.exists(lock)
     err = capsys.readouterr().err
     assert "removed if still there at 2 s" in err and f"removed {lock}: a build lock left" in err
     assert err.index("removed if still there") < err.index(f"removed {lock}")  # waited, then removed

@@ -33,13 +33,8 @@ QUICKSTART_CONSOLE = [
 # - vLLM's CPU worker binds the rank's memory to its NUMA node through a C++ op that warns
 #   through torch's C++ logging, unconditionally: only TORCH_CPP_LOG_LEVEL=ERROR would hide it,
 #   and that hides every other C++ warning of the job as well (docs/upstream-issues.md).
-# - not yet quiet, pending a change to megagrpo/cluster/distributed.py: DeepSpeed's print when it
-#   loads its CPU all-reduce op (console.dropping_known_prints around deepspeed.init_distributed),
-#   and the build-lock notice when the lock is the other rank's, held while it loads the op.
 QUICKSTART_CONSOLE_LEFT = [
     r"\[rank\d+\]:\[W\d+ [\d:.]+ utils\.cpp:\d+\] Warning: NUMA binding: Using MEMBIND policy .*",
-    r"DeepSpeed deepspeed\.ops\.comm\.deepspeed_shm_comm_op built successfully",
-    r"\[megagrpo\] \S+/deepspeed_shm_comm/lock exists \(\d+ s old\): waiting for the process building .*",
 ]
 
 

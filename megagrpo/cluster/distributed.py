@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.cluster.topology import Topology
+from megagrpo.console import dropping_known_prints
 
 SHM_OP = "deepspeed_shm_comm"   # the op DeepSpeed builds in TorchBackend.__init__ on CPU
 CPU_ADAM_OP = "cpu_adam"        # ZeRO optimizer offload's Adam (DeepSpeedCPUAdam)
@@ -53,8 +54,9 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
     prepare_op_build(clear_lock=local_rank == "0")
     # under mpirun DeepSpeed's MPI discovery (mpi4py) sets RANK/WORLD_SIZE/LOCAL_RANK and
     # MASTER_ADDR; it would set MASTER_PORT to its default 29500 unless told the launcher's
-    deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes),
-                               distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
+    with dropping_known_prints():  # DeepSpeed prints "... built successfully" on every rank
+        deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes),
+                                   distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     release_shm_allreduce_name()
     topology = Topology.from_env(tp_size, pp_size).with_groups()
     if torch.cuda.is_available():
@@ -114,9 +116,11 @@ def use_venv_extensions_dir() -> None:
         os.environ["PATH"] = os.pathsep.join([venv_bin] + path)
 
 
-def clear_stale_build_lock(extension: str, max_age_s: float = STALE_LOCK_S) -> bool:
+def clear_stale_build_lock(extension: str, max_age_s: float = STALE_LOCK_S, say_after_s: float = 5.0) -> bool:
     """Wait while a torch extension build lock is younger than `max_age_s` (someone is
-    building), then remove it if it is still there. Returns whether a lock was removed.
+    building), then remove it if it is still there. Returns whether a lock was removed. Says
+    what it waits for once it has waited `say_after_s`: a peer that only loads the built op
+    holds the lock for about a second.
 
     Only one process per node calls this (local rank 0), so two ranks cannot both remove a
     lock and then build at the same time.
@@ -124,7 +128,7 @@ def clear_stale_build_lock(extension: str, max_age_s: float = STALE_LOCK_S) -> b
     from torch.utils.cpp_extension import _get_build_directory
 
     lock = os.path.join(_get_build_directory(extension, verbose=False), "lock")
-    said = False
+    said, start = False, time.time()
     while True:
         try:
             age = time.time() - os.stat(lock).st_mtime
@@ -132,11 +136,11 @@ def clear_stale_build_lock(extension: str, max_age_s: float = STALE_LOCK_S) -> b
             return False
         if age >= max_age_s:
             break
-        if not said:
+        if not said and time.time() - start >= say_after_s:
             print(f"[megagrpo] {lock} exists ({age:.0f} s old): waiting for the process building "
                   f"{extension}; removed if still there at {max_age_s:.0f} s", file=sys.stderr, flush=True)
             said = True
-        time.sleep(min(1.0, max_age_s - age))
+        time.sleep(min(0.2 if not said else 1.0, max_age_s - age))
     try:
         os.unlink(lock)
     except FileNotFoundError:
