@@ -90,9 +90,7 @@ class Trainer:
         self.startup.lap("resume")
         self.sync_generator_weights()
         self.startup.lap("weight sync")
-        startup = self.startup.slowest()
-        self.log(StartupTimeline.line(startup))
-        self.metrics.scalars(self.step, {f"startup/{p.replace(' ', '_')}_s": s for p, s in startup.items()})
+        self.report_startup()
         results = {}
         if self.stack.eval_prompts and self.step == 0:
             results["before"] = self.evaluate()
@@ -126,6 +124,12 @@ class Trainer:
         self.metrics.close()
         self.log(f"done: {self.step} steps. {self.metrics.how_to_watch()}")
         return results
+
+    def report_startup(self) -> None:
+        """The start-up timeline (the slowest rank's phases) on the console and in every sink."""
+        startup = self.startup.slowest()
+        self.log(StartupTimeline.line(startup))
+        self.metrics.scalars(self.step, {f"startup/{p.replace(' ', '_')}_s": s for p, s in startup.items()})
 
     # ---- one GRPO step ------------------------------------------------------------------------
 
