@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv and install megagrpo with the CPU stack (or the GPU stack: MEGAGRPO_STACK=gpu).
-# Idempotent: skips the install when setup.py has not changed since the last one.
+# Create .venv and install megagrpo with the CPU stack (or the GPU stack: MEGAGRPO_STACK=gpu),
+# plus the extras MEGAGRPO_EXTRAS names (tests/run.sh: test; comma-separated, see setup.py).
+# Idempotent: skips the install when setup.py has not changed and every extra asked for is in.
+#   MEGAGRPO_OFFLOAD_OPS=1   also build DeepSpeed's CPU Adam now (ZeRO offload; else its first job does)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STACK="${MEGAGRPO_STACK:-cpu}"
@@ -8,11 +10,16 @@ VENV="${MEGAGRPO_VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-EXTRAS="$STACK,test"
+EXTRAS="$STACK${MEGAGRPO_EXTRAS:+,$MEGAGRPO_EXTRAS}"
 # mpi4py (launch/mpirun.sh) when OpenMPI is on this machine (launch/install_system.sh installs it)
 if command -v mpirun >/dev/null 2>&1; then EXTRAS="$EXTRAS,mpi"; fi
-STAMP="$VENV/.megagrpo-installed-$STACK"
-WANT="$(sha256sum setup.py | cut -c1-16)-$EXTRAS"
+STAMP="$VENV/.megagrpo-installed-$STACK"   # "<setup.py hash>-<extras installed>"
+HASH="$(sha256sum setup.py | cut -c1-16)"
+HAVE="$(cat "$STAMP" 2>/dev/null || true)"
+# the extras installed before stay installed (a quickstart after the tests keeps pytest)
+ALL="$(echo "$EXTRAS,${HAVE#*-}" | tr ',' '\n' | grep -v '^$' | sort -u | paste -sd, -)"
+WANT="$HASH-$ALL"
+EXTRAS="$ALL"
 build_deepspeed_ops() {
   # DeepSpeed JIT-compiles its CPU ops in the first job that needs them, every rank waiting on
   # a lock meanwhile. The shared-memory all-reduce (every CPU job) is built here once; CPU Adam

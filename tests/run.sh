@@ -6,6 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install_system.sh
-MEGAGRPO_OFFLOAD_OPS=1 bash launch/install.sh  # and CPU Adam: the offload tests use it
+MEGAGRPO_EXTRAS=test MEGAGRPO_OFFLOAD_OPS=1 bash launch/install.sh  # pytest, trl, wandb; CPU Adam for the offload tests
 export PYTHONUNBUFFERED=1
 exec .venv/bin/python -m pytest -v --durations=15 --timeout=900 tests "$@"
