@@ -277,7 +277,7 @@ def _scalars(run_dir):
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
-            if not tag.startswith(("train/time/", "train/memory/", "train/tokens_per_second"))}
+            if not tag.startswith(("train/time/", "train/memory/", "train/tokens_per_second", "startup/"))}
 
 
 def test_single_turn_run_is_bit_identical_to_the_trainer_before_multi_turn(tiny, tmp_path):
