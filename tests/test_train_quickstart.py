@@ -11,7 +11,7 @@ from conftest import free_port, run
 # held-out score before and after, one line per logged step, checkpoints, the export, where the
 # logs are. Upstream noise is filtered (megagrpo/console.py, docs/upstream-issues.md).
 QUICKSTART_CONSOLE = [
-    r"megagrpo: (\S+ is up to date \(\w+ stack\)|installed torch .*)",
+    r"megagrpo: (\S+ is up to date \(\w+ stack\)|installed torch .*|install took \d+ s \(.*\))",
     r"== [123]/3 .*",
     r"wrote \d+ train and \d+ eval prompts .*",
     r"tiny Qwen2: [\d.]+M parameters, .* -> \S+",
