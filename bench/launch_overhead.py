@@ -113,13 +113,10 @@ def main():
                 out = f"{work}/{name}-{repeat}"
                 port = str(daemons.free_port())
                 wait_job = None
-                if name == "quickstart":
+                if name in ("quickstart", "deepspeed"):
                     cmd, env = [f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", port, "--module",
                                 "megagrpo.train", "--config", "configs/tiny_arith.yaml",
-                                *overrides(tiny, out, quickstart=True)], {}
-                elif name == "deepspeed":
-                    cmd, env = [f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", port, "--module",
-                                "megagrpo.train", "--config", "configs/tiny_arith.yaml", *overrides(tiny, out)], {}
+                                *overrides(tiny, out, quickstart=name == "quickstart")], {}
                 elif name == "local":
                     cmd = ["bash", "launch/train.sh", *overrides(tiny, out)]
                     env = {"HOSTFILE": "hostfiles/localhost_2", "MASTER_PORT": port}

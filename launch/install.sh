@@ -17,9 +17,8 @@ STAMP="$VENV/.megagrpo-installed-$STACK"   # "<setup.py hash>-<extras installed>
 HASH="$(sha256sum setup.py | cut -c1-16)"
 HAVE="$(cat "$STAMP" 2>/dev/null || true)"
 # the extras installed before stay installed (a quickstart after the tests keeps pytest)
-ALL="$(echo "$EXTRAS,${HAVE#*-}" | tr ',' '\n' | grep -v '^$' | sort -u | paste -sd, -)"
-WANT="$HASH-$ALL"
-EXTRAS="$ALL"
+EXTRAS="$(echo "$EXTRAS,${HAVE#*-}" | tr ',' '\n' | grep -v '^$' | sort -u | paste -sd, -)"
+WANT="$HASH-$EXTRAS"
 build_deepspeed_ops() {
   # DeepSpeed JIT-compiles its CPU ops in the first job that needs them, every rank waiting on
   # a lock meanwhile. The shared-memory all-reduce (every CPU job) is built here once; CPU Adam

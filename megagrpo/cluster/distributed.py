@@ -87,15 +87,20 @@ def build_cpu_ops(cpu_adam: bool = False) -> None:
 def say_if_cpu_adam_builds(ds_config: dict, log) -> None:
     """ZeRO's optimizer offload runs DeepSpeed's CPU Adam, built on its first use in a venv
     (minutes; every rank waits): say so before DeepSpeed starts it."""
-    from torch.utils.cpp_extension import _get_build_directory
-
     offload = (ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}
     if offload.get("device", "none") == "none" or "optimizer" not in ds_config:
         return
-    use_venv_extensions_dir()
-    if not os.path.exists(os.path.join(_get_build_directory(CPU_ADAM_OP, verbose=False), f"{CPU_ADAM_OP}.so")):
+    if not os.path.exists(os.path.join(op_build_dir(CPU_ADAM_OP), f"{CPU_ADAM_OP}.so")):
         log("building DeepSpeed's CPU Adam for ZeRO offload: once per venv, a few minutes (or before the job: "
             "MEGAGRPO_OFFLOAD_OPS=1 bash launch/install.sh)")
+
+
+def op_build_dir(extension: str) -> str:
+    """Where torch builds (and looks for) a JIT extension: TORCH_EXTENSIONS_DIR's, as
+    use_venv_extensions_dir sets it before a job's first op loads."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(extension, verbose=False)
 
 
 def use_venv_extensions_dir() -> None:
@@ -125,9 +130,7 @@ def clear_stale_build_lock(extension: str, max_age_s: float = STALE_LOCK_S, say_
     Only one process per node calls this (local rank 0), so two ranks cannot both remove a
     lock and then build at the same time.
     """
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = os.path.join(_get_build_directory(extension, verbose=False), "lock")
+    lock = os.path.join(op_build_dir(extension), "lock")
     said, start = False, time.time()
     while True:
         try:
