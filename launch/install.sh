@@ -11,6 +11,15 @@ PYTHON="${PYTHON:-python3}"
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 EXTRAS="$STACK${MEGAGRPO_EXTRAS:+,$MEGAGRPO_EXTRAS}"
+# an extra setup.py does not define would be skipped by pip with a warning: refuse it here
+KNOWN="$("$PYTHON" -c 'import ast; t = ast.parse(open("setup.py").read())
+print(" ".join(k.value for n in ast.walk(t) if isinstance(n, ast.keyword) and n.arg == "extras_require" for k in n.value.keys))')"
+for extra in ${MEGAGRPO_EXTRAS//,/ }; do
+  if [[ " $KNOWN " != *" $extra "* ]]; then
+    echo "megagrpo: MEGAGRPO_EXTRAS names '$extra', which setup.py does not define; use some of: $KNOWN" >&2
+    exit 2
+  fi
+done
 # mpi4py (launch/mpirun.sh) when OpenMPI is on this machine (launch/install_system.sh installs it)
 if command -v mpirun >/dev/null 2>&1; then EXTRAS="$EXTRAS,mpi"; fi
 STAMP="$VENV/.megagrpo-installed-$STACK"   # "<setup.py hash>-<extras installed>"
