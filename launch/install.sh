@@ -14,7 +14,7 @@ EXTRAS="$STACK${MEGAGRPO_EXTRAS:+,$MEGAGRPO_EXTRAS}"
 # an extra setup.py does not define would be skipped by pip with a warning: refuse it here
 KNOWN="$("$PYTHON" -c 'import ast; t = ast.parse(open("setup.py").read())
 print(" ".join(k.value for n in ast.walk(t) if isinstance(n, ast.keyword) and n.arg == "extras_require" for k in n.value.keys))')"
-for extra in ${MEGAGRPO_EXTRAS//,/ }; do
+for extra in ${MEGAGRPO_EXTRAS:+${MEGAGRPO_EXTRAS//,/ }}; do
   if [[ " $KNOWN " != *" $extra "* ]]; then
     echo "megagrpo: MEGAGRPO_EXTRAS names '$extra', which setup.py does not define; use some of: $KNOWN" >&2
     exit 2
