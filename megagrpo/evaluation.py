@@ -98,18 +98,19 @@ def score_prompts(stack, prompts, indices: list[int], field_names: list[str], ge
     """Records of this rank's held-out prompts (stack: stack.RolloutStack): completions,
     rewards, reasons and the target text's log-likelihood. `generate(prompts, n, seeds,
     greedy)` samples (the trainer's shares samples within a model group);
-    `score_tokens(token_ids, prompt_len)` gives the log-probs of the tail (None: no
-    perplexity). The rewards run even with no prompts: a reward model's passes are collective."""
+    `score_tokens([(token_ids, prompt_len), ...])` gives each one's log-probs of the tail (None:
+    no perplexity). Both are called even with no prompts (a generator group pools its ranks'
+    calls), and so are the rewards: a reward model's passes are collective."""
     cfg = stack.cfg
     n, max_new_tokens = cfg.logging.eval_num_generations, cfg.rollout.max_new_tokens
     groups = generate(prompts, n=n, seeds=[sampling_seed(cfg.grpo.seed, EVAL_STEP, i) for i in indices],
-                      greedy=n == 1) if prompts else []
+                      greedy=n == 1)
     completions = [c for group in groups for c in group]
     flat_prompts = [p for p in prompts for _ in range(n)]
     flat_texts, rewards = stack.score(flat_prompts, completions, field_names)
     multi_turn = bool(completions) and isinstance(completions[0], Trajectory)
     conversations = [c.messages for c in completions] if multi_turn else None
-    records = []
+    records, targets = [], []
     for j, prompt in enumerate(prompts):
         rows = slice(j * n, (j + 1) * n)
         target = prompt.fields.get(cfg.data.target_field)
@@ -124,9 +125,12 @@ def score_prompts(stack, prompts, indices: list[int], field_names: list[str], ge
         if target is not None and score_tokens is not None:
             target_ids = stack.tokenizer(str(target), add_special_tokens=False)["input_ids"][:max_new_tokens]
             if target_ids:
-                logprobs = score_tokens(list(prompt.token_ids) + target_ids, len(prompt.token_ids))
-                record["ref_logprob"], record["ref_tokens"] = float(sum(logprobs)), len(target_ids)
+                targets.append((record, list(prompt.token_ids) + target_ids, len(prompt.token_ids)))
         records.append(record)
+    if score_tokens is not None:
+        scored = score_tokens([(ids, start) for _, ids, start in targets])
+        for (record, ids, start), logprobs in zip(targets, scored):
+            record["ref_logprob"], record["ref_tokens"] = float(sum(logprobs)), len(ids) - start
     return records
 
 
@@ -254,6 +258,7 @@ def _evaluate(args, merged) -> int:
     from megagrpo.data import DataError
     from megagrpo.metrics import MetricsLogger, quiet_library_output
     from megagrpo.rewards import RewardError
+    from megagrpo.rollout.generator_group import GeneratorGroup
     from megagrpo.stack import build_rollout_stack
     from megagrpo.validation import load_config
 
@@ -274,16 +279,21 @@ def _evaluate(args, merged) -> int:
         return 2
     output = args.output or os.path.join(args.model, "eval")
     quiet_library_output()
-    topology = init_distributed()
+    topology = init_distributed(generator_tp=cfg.rollout.tensor_parallel_size)
+    group = GeneratorGroup(topology)  # every rank evaluates its own prompts; a group shares one engine
     try:
         stack = build_rollout_stack(cfg, training=False)
         if not stack.reward_functions and topology.is_main:
             print("megagrpo eval: no reward functions are configured, so no reward is reported (text metrics "
                   "only). Pass them with --config X.yaml (its rewards.functions) or an override, e.g. "
                   "'rewards.functions=[{name: answer_match}]'", file=sys.stderr, flush=True)
-        stack.start_generator(seed=cfg.grpo.seed + topology.rank)
-        records, results = evaluate(stack, stack.eval_prompts, topology.rank, topology.world_size, stack.generate,
-                                    stack.generator.score)
+        stack.start_generator(seed=cfg.grpo.seed + topology.generator_ranks()[0], run_once=group.run_once)
+
+        def generate(prompts, n, seeds, greedy):
+            return group.map(lambda pairs: stack.generate([p for p, _ in pairs], n, [s for _, s in pairs], greedy),
+                             list(zip(prompts, seeds)))
+        records, results = evaluate(stack, stack.eval_prompts, topology.rank, topology.world_size, generate,
+                                    lambda requests: group.map(stack.generator.score, requests))
         stack.close()
     except (DataError, RewardError, ConfigError) as e:
         print(f"megagrpo: error: {e}", file=sys.stderr)

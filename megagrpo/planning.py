@@ -53,6 +53,7 @@ class Plan:
     ranks: list                  # (rank, dp_rank, tp_rank, pp_stage)
     peak: dict = field(default_factory=dict)  # bytes held at a rank's peak, by what holds them
     lora: bool = False
+    generator_tp: int = 1        # rollout.tensor_parallel_size: the vLLM engine's shards
 
 
 def model_config(model_path: str):
@@ -101,12 +102,14 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
         "grads": trained * grad_b // (dp if stage >= 2 else 1),
         "optimizer": trained * optim_b // (dp if stage >= 1 else 1),
         "reference": (local * weight_b // (dp if stage >= 3 else 1)) if cfg.grpo.kl_coef > 0 and not lora else 0,
-        "rollout_weights": total * weight_b,
+        # vLLM's share: its tp group splits every layer, the embedding and the head by vocabulary
+        "rollout_weights": -(-total * weight_b // cfg.rollout.tensor_parallel_size),
     }
     layout = Topology(world_size, 0, 0, tp, pp)
     ranks = [(r, place.dp_rank, place.tp_rank, place.pp_rank) for r in range(world_size)
              for place in [layout.at(r)]]
-    plan = Plan(world_size, dp, tp, pp, stage, total, sharded, trained, bytes_per_rank, ranks, lora=lora)
+    plan = Plan(world_size, dp, tp, pp, stage, total, sharded, trained, bytes_per_rank, ranks, lora=lora,
+                generator_tp=cfg.rollout.tensor_parallel_size)
     plan.peak = peak_memory(cfg, plan, trained)
     return plan
 
@@ -265,6 +268,39 @@ def check_layout(cfg: Config) -> None:
     if pp > 1:
         require(cfg.grpo.packing, f"parallel.pipeline_parallel_size={pp} needs grpo.packing=true "
                 "(the stages pass packed rows, not padded ones)")
+    check_generator_layout(cfg, world)
+
+
+def check_generator_layout(cfg: Config, world: Optional[str]) -> None:
+    """rollout.tensor_parallel_size: its default (the trainer's tp) and the layouts refused.
+    vLLM's external launcher forms its tp groups from consecutive ranks, so a generator group
+    lies inside one trainer tp group or spans whole ones (docs/parallelism.md)."""
+    r, tp, pp = cfg.rollout, cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    if r.tensor_parallel_size is None:
+        r.tensor_parallel_size = tp if pp == 1 and r.engine == "vllm" else 1
+    t = r.tensor_parallel_size
+    key = f"rollout.tensor_parallel_size={t}"
+    require(t >= 1, f"{key} must be >= 1")
+    if t == 1:
+        return
+    require(r.engine == "vllm", f"{key} needs rollout.engine=vllm (transformers generate runs whole on each rank)")
+    require(pp == 1, f"{key} with parallel.pipeline_parallel_size={pp}: under pipeline parallelism only "
+            "the first stage's first rank receives whole weights to generate with; use 1")
+    require(t % tp == 0 or tp % t == 0, f"{key} with parallel.tensor_parallel_size={tp}: a generator "
+            f"group ({t} consecutive ranks) must lie inside one trainer tp group or span whole ones; "
+            f"use a divisor or a multiple of {tp}")
+    require(world is None or int(world) % t == 0,
+            f"{key}: world size {world} is not divisible by it; launch a multiple of {t} ranks")
+    model_config = os.path.join(cfg.model.name_or_path, "config.json")
+    if os.path.isfile(model_config):
+        with open(model_config) as f:
+            model = json.load(f)
+        heads = model.get("num_attention_heads")
+        kv_heads = model.get("num_key_value_heads", heads)
+        require(heads is None or heads % t == 0,
+                f"{key} does not divide the model's {heads} attention heads; use a divisor of {heads}")
+        require(kv_heads is None or kv_heads % t == 0 or t % kv_heads == 0,
+                f"{key} and the model's {kv_heads} key-value heads: one must divide the other")
 
 
 def _gib(n: int) -> str:
@@ -272,7 +308,7 @@ def _gib(n: int) -> str:
 
 
 def format_plan(plan: Plan, max_rows: int = 16) -> str:
-    lines = [f"world {plan.world_size} = dp {plan.dp} x tp {plan.tp} x pp {plan.pp}; "
+    lines = [f"world {plan.world_size} = dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, vLLM tp {plan.generator_tp}; "
              f"ZeRO stage {plan.zero_stage}",
              f"model: {plan.params_total / 1e6:.2f}M parameters, {plan.params_sharded / 1e6:.2f}M "
              f"split by tensor parallelism"

@@ -33,12 +33,13 @@ class RolloutStack:
     generator: Any = None             # rollout/generators.py: VLLMGenerator or HFGenerator
     agent: Optional[AgentLoop] = None
 
-    def start_generator(self, seed: int) -> None:
+    def start_generator(self, seed: int, run_once=None) -> None:
         """The generator, and the multi-turn loop over it when there are tools. Built after the
-        policy: on a GPU vLLM sizes its KV cache from the memory the policy leaves."""
+        policy: on a GPU vLLM sizes its KV cache from the memory the policy leaves. run_once:
+        how the ranks of a generator group run the tools once (GeneratorGroup.run_once)."""
         self.generator = build_generator(self.cfg, seed=seed)
         if self.toolset:
-            self.agent = AgentLoop(self.cfg, self.generator, self.tokenizer, self.toolset)
+            self.agent = AgentLoop(self.cfg, self.generator, self.tokenizer, self.toolset, run_once)
 
     def generate(self, prompts: list[Prompt], n: int, seeds: list[int], greedy: bool = False) -> list[list]:
         """n completions per prompt on this rank: one generator call, or the multi-turn loop."""

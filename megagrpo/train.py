@@ -41,6 +41,7 @@ from megagrpo.policy import build_policy
 from megagrpo.policy.batch import make_batch
 from megagrpo.rewards import RewardError, component_metrics
 from megagrpo.rollout.agent import agent_metrics
+from megagrpo.rollout.generator_group import GeneratorGroup
 from megagrpo.rollout.generators import sampling_seed
 from megagrpo.rollout.groups import SampledGroups, sample_informative_groups
 from megagrpo.rollout.weight_sync import sync_weights
@@ -70,9 +71,11 @@ class Trainer:
         # vLLM's start-up runs five full garbage collections (then freezes the heap itself):
         # with the trainer's objects frozen first, each takes milliseconds instead of 0.4 s
         gc.freeze()
-        # every rank builds a generator (vLLM's external launcher forms its groups over all
-        # ranks); the first rank of each model group samples for the group
-        self.stack.start_generator(seed=g.seed + topology.dp_rank)
+        # every rank builds its generator shard (vLLM's external launcher forms its groups over
+        # all ranks); the ranks of a generator group make the same calls (rollout/generator_group.py)
+        self.generator_group = GeneratorGroup(topology)
+        self.stack.start_generator(seed=g.seed + topology.generator_ranks()[0],
+                                   run_once=self.generator_group.run_once)
         self.generator = self.stack.generator
         startup.lap("generator")
         self.metrics = MetricsLogger(cfg.output_dir, cfg.logging, topology.is_main, to_dict(cfg))
@@ -204,14 +207,16 @@ class Trainer:
         return SampledGroups(prompt_of, completions, texts, rewards, g.num_generations)
 
     def generate(self, prompts: list[Prompt], n, seeds, greedy=False):
-        """Sample on the first rank of each model group (one generator call, or the multi-turn
-        loop) and share its completions with the group, so that every rank trains on the same
-        tokens."""
+        """Sample on the generator groups of each model group that hold its first rank (one
+        generator call, or the multi-turn loop), and share the completions with the ranks that
+        did not sample, so that every rank trains on the same tokens."""
         groups = None
-        if self.topo.samples_rollout:
-            groups = self.stack.generate(prompts, n=n, seeds=seeds, greedy=greedy)
+        if self.topo.generates:
+            groups = self.generator_group.map(
+                lambda pairs: self.stack.generate([p for p, _ in pairs], n=n, seeds=[s for _, s in pairs],
+                                                  greedy=greedy), list(zip(prompts, seeds)))
             self.generator.sleep()
-        if self.topo.model_group is not None:
+        if self.topo.shares_rollout:
             box = [groups]
             torch.distributed.broadcast_object_list(box, src=self.topo.model_group_source,
                                                     group=self.topo.model_group)
@@ -234,7 +239,8 @@ class Trainer:
         """This rank's share of the held-out prompts through the generator, scored by the
         reward functions and the text metrics (see evaluation.py). Returns the global metrics."""
         # only a sampling rank's generator is sure to hold the trained weights
-        score_tokens = self.generator.score if self.topo.samples_rollout else None
+        score_tokens = (lambda requests: self.generator_group.map(self.generator.score, requests)) \
+            if self.topo.generates else None
         records, metrics = evaluation.evaluate(self.stack, self.stack.eval_prompts, self.topo.dp_rank,
                                                self.topo.dp_size, self.generate, score_tokens, self.topo.dp_group)
         if self.topo.is_main:
@@ -306,7 +312,7 @@ def main(argv=None) -> int:
     quiet_library_output()
     startup.lap("config")
     topology = init_distributed(args.timeout_minutes, cfg.parallel.tensor_parallel_size,
-                                cfg.parallel.pipeline_parallel_size)
+                                cfg.parallel.pipeline_parallel_size, cfg.rollout.tensor_parallel_size)
     startup.lap("distributed")
     try:
         Trainer(cfg, topology, startup).train()

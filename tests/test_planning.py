@@ -20,7 +20,7 @@ def test_plan_counts_bytes_per_rank(tiny, tmp_path):
     replicated = 409 * 128 + 2 * 3 * 128 + 2 * 2 * 128 + 128
     proc = run([f"{BIN}/megagrpo", "plan", "--config", "configs/tiny_arith.yaml", "--world-size", "4",
                 *tiny_overrides(tiny, tmp_path), "parallel.tensor_parallel_size=2"])
-    assert "world 4 = dp 2 x tp 2 x pp 1; ZeRO stage 3" in proc.stdout
+    assert "world 4 = dp 2 x tp 2 x pp 1, vLLM tp 2; ZeRO stage 3" in proc.stdout
     assert "    3        1       2/2         0" in proc.stdout
     from megagrpo.planning import count_parameters, make_plan
     assert count_parameters(tiny["warm"]) == (sharded + replicated, sharded)
@@ -28,7 +28,11 @@ def test_plan_counts_bytes_per_rank(tiny, tmp_path):
     per_rank = make_plan(cfg, 4).bytes_per_rank
     local = sharded // 2 + replicated
     assert per_rank["params"] == local * 4 // 2 and per_rank["grads"] == local * 4 // 2
-    assert per_rank["optimizer"] == local * 12 // 2 and per_rank["rollout_weights"] == (sharded + replicated) * 4
+    assert per_rank["optimizer"] == local * 12 // 2
+    assert per_rank["rollout_weights"] == (sharded + replicated) * 4 // 2  # vLLM at tp 2 (the trainer's)
+    one_engine = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
+        "parallel.tensor_parallel_size=2", "rollout.tensor_parallel_size=1"])
+    assert make_plan(one_engine, 4).bytes_per_rank["rollout_weights"] == (sharded + replicated) * 4
     cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
         "deepspeed=configs/ds_zero1.json", "model.dtype=bfloat16"])
     per_rank = make_plan(cfg, 4).bytes_per_rank  # ZeRO-1: only the optimizer state is split

@@ -26,7 +26,8 @@ from megagrpo.validation import load_config
 LAYOUTS = {
     # every norm trained in full beside the adapters (peft: modules whose names end in "norm")
     "zero0_1rank_fp32_norms_saved": (1, ["deepspeed=configs/ds_zero0.json", "model.lora.modules_to_save=[norm]"]),
-    "zero3_2ranks_fp32": (2, ["deepspeed=configs/ds_zero3.json"]),
+    # the adapted layers synced into one vLLM engine sharded over both ranks
+    "zero3_2ranks_fp32_vllm_tp2": (2, ["deepspeed=configs/ds_zero3.json", "rollout.tensor_parallel_size=2"]),
     # two of the seven linear layers: their siblings (k, o) move with them, the MLP does not
     "zero2_2ranks_bf16_checkpointing_qv": (2, ["deepspeed=configs/ds_zero2.json", "model.dtype=bfloat16",
                                                "model.gradient_checkpointing=true",

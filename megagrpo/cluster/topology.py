@@ -8,8 +8,15 @@ slowest and tp fastest, so
 
 (AutoTP's (dp, tp) mesh is the pp = 1 case; DeepSpeed's (pipe, data) topology the tp = 1 case).
 The tp * pp ranks of one data-parallel replica (a "model group") see the same prompts and share
-one rollout, sampled by the group's first rank (stage 0, tp rank 0); different dp ranks see
-different prompts. Inside a stage, the tp ranks (the "tp group") split its decoder layers.
+one rollout; different dp ranks see different prompts. Inside a stage, the tp ranks (the
+"tp group") split its decoder layers.
+
+The generator is laid out on its own: each block of `generator_tp` consecutive ranks (a
+"generator group", vLLM's tp group under the external launcher) holds one engine sharded
+between them. A block lies inside one trainer tp group (generator_tp divides tp: the block at
+tp rank 0 samples, the group's first rank shares the rollout) or spans whole ones (every rank
+samples, the block pooling its dp replicas' prompts); under pipelines generator_tp is 1 and the
+model group's first rank samples.
 """
 from __future__ import annotations
 
@@ -34,9 +41,12 @@ class Topology:
     """The tp * pp ranks of this rank's replica (None: this rank alone)."""
     tp_group: Optional[Any] = field(default=None, compare=False, repr=False)
     """The tp ranks of this rank's pipeline stage (None: tp 1)."""
+    generator_tp: int = 1
+    generator_group: Optional[Any] = field(default=None, compare=False, repr=False)
+    """The generator_tp ranks that hold one vLLM engine with this rank (None: generator_tp 1)."""
 
     @classmethod
-    def from_env(cls, tp_size: int = 1, pp_size: int = 1) -> "Topology":
+    def from_env(cls, tp_size: int = 1, pp_size: int = 1, generator_tp: int = 1) -> "Topology":
         """Read the launcher's variables (deepspeed, torchrun, srun mapped by our scripts)."""
         if dist.is_available() and dist.is_initialized():
             world, rank = dist.get_world_size(), dist.get_rank()
@@ -46,8 +56,10 @@ class Topology:
         if world % (tp_size * pp_size):
             raise ValueError(f"world size {world} is not divisible by tensor_parallel_size x "
                              f"pipeline_parallel_size = {tp_size} x {pp_size}")
+        if world % generator_tp:
+            raise ValueError(f"world size {world} is not divisible by rollout.tensor_parallel_size {generator_tp}")
         return cls(world_size=world, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                   tp_size=tp_size, pp_size=pp_size)
+                   tp_size=tp_size, pp_size=pp_size, generator_tp=generator_tp)
 
     def with_groups(self) -> "Topology":
         """Collective: create the dp and model process groups (every rank creates every group,
@@ -73,11 +85,18 @@ class Topology:
                 group = dist.new_group(list(range(first, first + self.tp_size)))
                 if first <= self.rank < first + self.tp_size:
                     tp_group = group
-        return dataclasses.replace(self, dp_group=dp_group, model_group=model_group, tp_group=tp_group)
+        generator_group = None
+        if self.generator_tp > 1:
+            for first in range(0, self.world_size, self.generator_tp):
+                group = dist.new_group(list(range(first, first + self.generator_tp)))
+                if first <= self.rank < first + self.generator_tp:
+                    generator_group = group
+        return dataclasses.replace(self, dp_group=dp_group, model_group=model_group, tp_group=tp_group,
+                                   generator_group=generator_group)
 
     def at(self, rank: int) -> "Topology":
         """The same layout seen from another rank (for tables of every rank's place)."""
-        return Topology(self.world_size, rank, 0, self.tp_size, self.pp_size)
+        return Topology(self.world_size, rank, 0, self.tp_size, self.pp_size, generator_tp=self.generator_tp)
 
     @property
     def dp_size(self) -> int:
@@ -128,9 +147,26 @@ class Topology:
 
     @property
     def samples_rollout(self) -> bool:
-        """Whether this rank samples its model group's rollout (and so needs trained weights
-        in its engine)."""
+        """Whether this rank's rollout is its model group's: the group's first rank, whose
+        completions every rank of the group trains on."""
         return self.rank == self.model_group_source
+
+    @property
+    def generates(self) -> bool:
+        """Whether this rank's engine shard takes part in its model group's rollout (its
+        generator group includes the model group's first rank)."""
+        return self.pp_rank == 0 and self.tp_rank < self.generator_tp
+
+    @property
+    def shares_rollout(self) -> bool:
+        """Whether some ranks of this model group do not generate and receive the rollout
+        from the group's first rank."""
+        return self.model_group is not None and not (self.pp_size == 1 and self.generator_tp >= self.tp_size)
+
+    def generator_ranks(self) -> list[int]:
+        """Global ranks of this rank's generator group (consecutive, as vLLM forms them)."""
+        first = self.rank - self.rank % self.generator_tp
+        return list(range(first, first + self.generator_tp))
 
     @property
     def is_main(self) -> bool:
@@ -138,5 +174,5 @@ class Topology:
 
     def describe(self) -> str:
         return (f"world {self.world_size} = dp {self.dp_size} x tp {self.tp_size} x "
-                f"pp {self.pp_size}; this is rank {self.rank} (dp rank {self.dp_rank}, "
+                f"pp {self.pp_size}, vLLM tp {self.generator_tp}; this is rank {self.rank} (dp rank {self.dp_rank}, "
                 f"tp rank {self.tp_rank}, pipeline stage {self.pp_rank})")

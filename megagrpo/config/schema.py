@@ -218,6 +218,12 @@ class RolloutConfig:
 
     engine: Literal["vllm", "hf"] = "vllm"
     """vllm: a vLLM engine inside each training process; hf: transformers generate."""
+    tensor_parallel_size: Optional[int] = None
+    """vLLM tensor parallelism: each group of this many consecutive ranks holds one engine
+    sharded between them (1/t of the weights and KV cache per rank), all of them sampling.
+    Default: parallel.tensor_parallel_size (1 under pipeline parallelism). It must divide the
+    trainer's tp or be a multiple of it (a group then pools the prompts of several dp replicas);
+    1 under pipeline parallelism and with engine hf (docs/parallelism.md)."""
     max_new_tokens: int = 256
     """Longest completion (TRL: max_completion_length)."""
     temperature: float = 1.0

@@ -2,11 +2,13 @@
 
 Both have the same interface:
     generate(prompt_ids, n, seeds, greedy=False, max_tokens=None) -> per prompt, n Completions
+    score(requests) -> per (token_ids, prompt_len), the log-probs of token_ids[prompt_len:]
     load_weights(named_tensors, partial=False)   # (HF name, tensor) stream; no restart, no disk
-    sleep() / wake_up()           # free accelerator memory while the trainer runs
+    sleep() / wake_up(tags)       # free accelerator memory while the trainer runs
 
 `VLLMGenerator` runs vLLM inside this training process (external_launcher executor, created
-after the job's process group). `HFGenerator` runs transformers' generate on its own copy of the
+after the job's process group), sharded over rollout.tensor_parallel_size consecutive ranks
+(rollout/generator_group.py: how those ranks call it). `HFGenerator` runs transformers' generate on its own copy of the
 model: the fallback, and the correctness reference for the vLLM path.
 Sampler logprobs are log-softmax(logits / temperature) of the sampled token, as the trainer
 computes them (vLLM's processed_logprobs).
@@ -51,7 +53,7 @@ class VLLMGenerator:
 
         r = cfg.rollout
         self.cfg = r
-        self.sleeping = False
+        self.asleep: set[str] = set()  # what vLLM has released: "weights", "kv_cache"
         self.can_sleep = r.sleep and _on_gpu()
         kwargs = {}
         if not _on_gpu():
@@ -64,7 +66,7 @@ class VLLMGenerator:
             kwargs["max_num_batched_tokens"] = max(4096, r.max_model_len or max_sequence_length(cfg))
         self.llm = LLM(
             model=model_path, dtype=cfg.model.dtype, seed=seed,
-            distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+            distributed_executor_backend="external_launcher", tensor_parallel_size=r.tensor_parallel_size,
             gpu_memory_utilization=r.gpu_memory_utilization,
             max_model_len=r.max_model_len or max_sequence_length(cfg),
             logprobs_mode="processed_logprobs", enable_sleep_mode=self.can_sleep,
@@ -95,14 +97,16 @@ class VLLMGenerator:
                             truncated=c.finish_reason == "length")
                  for c in out.outputs] for out in outputs]
 
-    def score(self, token_ids: list[int], prompt_len: int) -> list[float]:
-        """Logprobs of token_ids[prompt_len:] given what precedes them (prompt_logprobs)."""
+    def score(self, requests: list[tuple[list[int], int]]) -> list[list[float]]:
+        """Per (token_ids, prompt_len): the log-probs of token_ids[prompt_len:] given what
+        precedes them (prompt_logprobs), all in one engine call."""
         from vllm import SamplingParams
 
-        out = self.llm.generate([{"prompt_token_ids": token_ids}],
-                                SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        logprobs = out[0].prompt_logprobs
-        return [logprobs[i][token_ids[i]].logprob for i in range(prompt_len, len(token_ids))]
+        self.wake_up()
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in requests],
+                                    SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        return [[out.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))]
+                for out, (ids, start) in zip(outputs, requests)]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
         """partial: the stream holds some layers only (a LoRA policy's adapted ones); vLLM
@@ -118,14 +122,18 @@ class VLLMGenerator:
     def sleep(self) -> None:
         # Level 1 keeps a CPU copy of the weights; level 2 would drop them and a wake-up
         # reload from disk would overwrite the synced weights (TRL #5312).
-        if self.can_sleep and not self.sleeping:
+        if self.can_sleep and not self.asleep:
             self.llm.sleep(level=1)
-            self.sleeping = True
+            self.asleep = {"weights", "kv_cache"}
 
-    def wake_up(self) -> None:
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
+    def wake_up(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Take back what sleep released, in this order. The weight sync wakes the weights
+        only; the KV cache comes back before sampling, after the sync's buffers are gone (the
+        out-of-memory at wake-up that waking both at once invites)."""
+        for tag in tags:
+            if tag in self.asleep:
+                self.llm.wake_up(tags=[tag])
+                self.asleep.discard(tag)
 
 
 class _ExpectedReloadWarnings(logging.Filter):
@@ -222,11 +230,14 @@ class HFGenerator:
         return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 
     @torch.no_grad()
-    def score(self, token_ids: list[int], prompt_len: int) -> list[float]:
-        """Logprobs of token_ids[prompt_len:] given what precedes them."""
-        ids = torch.tensor([token_ids], device=self.device)
-        logp = self.model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-        return logp[torch.arange(len(token_ids) - 1), ids[0, 1:]][prompt_len - 1:].tolist()
+    def score(self, requests: list[tuple[list[int], int]]) -> list[list[float]]:
+        """Per (token_ids, prompt_len): the log-probs of token_ids[prompt_len:] given what precedes them."""
+        scores = []
+        for token_ids, prompt_len in requests:
+            ids = torch.tensor([token_ids], device=self.device)
+            logp = self.model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+            scores.append(logp[torch.arange(len(token_ids) - 1), ids[0, 1:]][prompt_len - 1:].tolist())
+        return scores
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
@@ -237,7 +248,7 @@ class HFGenerator:
     def sleep(self) -> None:
         pass
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: tuple[str, ...] = ()) -> None:
         pass
 
 

@@ -18,6 +18,6 @@ def sync_weights(tensors: Iterator[tuple[str, torch.Tensor]], generator, partial
         for _ in tensors:
             pass
     else:
-        generator.wake_up()
+        generator.wake_up(tags=("weights",))  # the KV cache stays asleep until sampling
         generator.load_weights(tensors, partial=partial)
     return time.perf_counter() - start

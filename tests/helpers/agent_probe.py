@@ -28,7 +28,8 @@ from megagrpo.validation import load_config
 def main():
     args, steps = parse_args(), int(os.environ.get("PROBE_STEPS", "1"))
     cfg = load_config(args.config, args.overrides)
-    topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size)
+    topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size,
+                                generator_tp=cfg.rollout.tensor_parallel_size)
     trainer = Trainer(cfg, topology)
     trainer.sync_generator_weights()
     metrics = []

@@ -48,7 +48,8 @@ def optimizer_state_numel(optimizer) -> int:
 def main():
     args = parse_args()
     cfg = load_config(args.config, args.overrides)
-    topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size)
+    topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size,
+                                generator_tp=cfg.rollout.tensor_parallel_size)
     trainer = Trainer(cfg, topology)
     policy = trainer.policy.engine
     prompt = trainer.prompts[0].token_ids
@@ -77,11 +78,11 @@ def main():
         metrics = trainer.train_step()  # ends with the sync of the adapted layers only
         trainer.step += 1
         row = {"grad_norm": metrics["grad_norm"], "trainer": trainer_logprobs(),
-               "engine": trainer.generator.score(prompt + completion, len(prompt)),
+               "engine": trainer.generator.score([(prompt + completion, len(prompt))])[0],
                "reference": trainer_logprobs(reference=True),
                "sent_changed_only": sorted(n for n, _ in trainer.policy.full_tensors(changed_only=True))}
         sync_weights(trainer.policy.full_tensors(), trainer.generator)
-        row["engine_full_sync"] = trainer.generator.score(prompt + completion, len(prompt))
+        row["engine_full_sync"] = trainer.generator.score([(prompt + completion, len(prompt))])[0]
         result["steps"].append(row)
     result["sent_full"] = sorted(n for n, _ in trainer.policy.full_tensors())
     frozen_after = whole_parameters(policy.module, trained=False)

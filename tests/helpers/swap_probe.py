@@ -22,7 +22,8 @@ COMPLETION_TEXT = "3 + 4 = 7. Answer: 7"
 def main():
     args = parse_args()  # the trainer's argparse parser: --config, overrides, --local_rank/--local-rank
     cfg = load_config(args.config, args.overrides)
-    topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size)
+    topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size,
+                                generator_tp=cfg.rollout.tensor_parallel_size)
     trainer = Trainer(cfg, topology)
     prompt = trainer.prompts[0].token_ids
     completion = trainer.tokenizer(COMPLETION_TEXT, add_special_tokens=False)["input_ids"]
@@ -37,10 +38,10 @@ def main():
 
     trainer.sync_generator_weights()
     result = {"completion_text": COMPLETION_TEXT, "completion": completion,
-              "engine_before": trainer.generator.score(prompt + completion, len(prompt)),
+              "engine_before": trainer.generator.score([(prompt + completion, len(prompt))])[0],
               "trainer_before": trainer_logprobs()}
     metrics = trainer.train_step()
-    result.update(engine_after=trainer.generator.score(prompt + completion, len(prompt)),
+    result.update(engine_after=trainer.generator.score([(prompt + completion, len(prompt))])[0],
                   trainer_after=trainer_logprobs(), grad_norm=metrics["grad_norm"])
     os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, f"swap_rank{topology.rank}.json"), "w") as f:
