@@ -17,6 +17,9 @@ then the checks:
                   against a device-to-device copy of the same bytes
   nccl            all_reduce / all_gather / broadcast on CUDA tensors over NCCL, through torchrun:
                   2 processes when there are 2 GPUs, else a world of 1 (NCCL refuses 2 ranks on one GPU)
+  generator_tp2   2 GRPO steps on 2 GPUs with vLLM sharded over both (rollout.tensor_parallel_size 2)
+                  against an engine per GPU: GPU memory per rank after the rollout, tokens/s;
+                  "missing: a second GPU" where one GPU is lent
 
 Every entry is {"ok": bool, "seconds": float, ...numbers..., "error": str or None}. A check
 that cannot run here says why and runs nothing: "no CUDA: ..." without a CUDA device,
@@ -43,11 +46,11 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = ["vllm_sleep", "flash_logprobs", "grpo_zero3", "weight_sync", "nccl"]
+CHECKS = ["vllm_sleep", "flash_logprobs", "grpo_zero3", "weight_sync", "nccl", "generator_tp2"]
 STEPS = ["env", "prepare"] + CHECKS
 # each step's time limit in run_isolated (bench/gpu_check.sh keeps the whole run under its budget, 580 s)
 TIMEOUTS = {"env": 45, "prepare": 90, "vllm_sleep": 120, "flash_logprobs": 60, "grpo_zero3": 180,
-            "weight_sync": 120, "nccl": 45}
+            "weight_sync": 120, "nccl": 45, "generator_tp2": 200}
 # what each step needs besides the standard library ("cuda": a CUDA device seen by torch;
 # "vllm": vllm's CUDA build; "nccl": torch.distributed with NCCL). A name ending in "?" is
 # optional: listed as missing, but the step runs without it (flash_logprobs then reports SDPA
@@ -60,6 +63,7 @@ NEEDS = {
     "grpo_zero3": ("cuda", "deepspeed", "transformers", "datasets", "tensorboard", "yaml", "vllm?"),
     "weight_sync": ("cuda", "vllm", "deepspeed", "transformers"),
     "nccl": ("cuda", "nccl"),
+    "generator_tp2": ("cuda", "vllm", "deepspeed", "transformers", "tensorboard", "nccl"),
 }
 FLASH_TOLERANCE = 2e-2   # max |log p| difference, flash-attn packed against SDPA padded, bf16
 SCORE_TOLERANCE = 0.25   # max |log p| difference, vLLM after the sync against the trainer's model, bf16
@@ -386,27 +390,22 @@ def check_flash_logprobs(work: Path) -> dict:
     return out
 
 
-def check_grpo_zero3(work: Path, deadline: float) -> dict:
-    """2 GRPO steps on the quickstart task through the DeepSpeed launcher on 1 GPU, bf16, ZeRO-3."""
-    try:
-        import megagrpo.train  # noqa: F401  (every module the trainer imports)
-    except ModuleNotFoundError as e:
-        raise Missing(f"{e.name} (megagrpo.train imports it)") from e
+def _grpo_run(work: Path, deadline: float, step: str, name: str, gpus: int, engine: str, extra=()) -> dict:
+    """2 GRPO steps of the quickstart task through the DeepSpeed launcher on `gpus` GPUs, bf16,
+    ZeRO-3, in work/name (its log: logs/<step>.<name>.log); the launcher's exit and the run's
+    train/ series from TensorBoard."""
     from megagrpo.cluster.distributed import free_port
-    engine = "hf" if vllm_problem() else "vllm"
-    run_dir = work / "grpo"
+    run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(free_port()),
-           "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(gpus), "--master_port",
+           str(free_port()), "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
            f"model.name_or_path={work / 'model'}", f"data.train_file={work / 'data' / 'train.jsonl'}",
            f"data.eval_file={work / 'data' / 'eval.jsonl'}", f"output_dir={run_dir}", "checkpoint.resume=none",
            "deepspeed=configs/ds_zero3_bf16.json", "model.dtype=bfloat16", "grpo.max_steps=2",
-           f"rollout.engine={engine}", "logging.progress_bar=false"]
+           f"rollout.engine={engine}", "logging.progress_bar=false", *extra]
     clock = time.perf_counter()
-    rc, log = _run_tool(cmd, work, "grpo_zero3.launcher", deadline=deadline, check=False)
-    out = {"rollout_engine": engine, "launcher_exit_code": rc, "run_s": time.perf_counter() - clock}
-    if engine == "hf":
-        out["note"] = "no CUDA build of vllm: the rollout ran on transformers (rollout.engine=hf)"
+    rc, log = _run_tool(cmd, work, f"{step}.{name}", deadline=deadline, check=False)
+    out = {"launcher_exit_code": rc, "run_s": time.perf_counter() - clock}
     if rc != 0:
         out.update(ok=False, error=f"the DeepSpeed launcher exited {rc}; its output ends: {log[-1500:]}")
         return out
@@ -416,13 +415,11 @@ def check_grpo_zero3(work: Path, deadline: float) -> dict:
         raise Missing("tensorboard (to read the step times back)") from e
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
-    tags = acc.Tags()["scalars"]
-    series = {tag: [e.value for e in acc.Scalars(tag)] for tag in tags if tag.startswith("train/")}
-    steps = series.get("train/time/step", [])
-    losses = series.get("train/loss", [])
+    series = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"] if tag.startswith("train/")}
+    steps, losses = series.get("train/time/step", []), series.get("train/loss", [])
     out.update(steps=len(steps), step_s=steps, loss=losses,
                loss_finite=bool(losses) and all(math.isfinite(v) for v in losses),
-               reward=series.get("train/reward", []),
+               reward=series.get("train/reward", []), series=series,
                mean_step_split_s={tag[len("train/time/"):]: sum(v) / len(v) for tag, v in series.items()
                                   if tag.startswith("train/time/") and v})
     problems = []
@@ -430,6 +427,43 @@ def check_grpo_zero3(work: Path, deadline: float) -> dict:
         problems.append(f"TensorBoard holds {len(steps)} steps, not 2")
     if not out["loss_finite"]:
         problems.append(f"loss not finite: {losses}")
+    out.update(ok=not problems, error="; ".join(problems) or None)
+    return out
+
+
+def check_grpo_zero3(work: Path, deadline: float) -> dict:
+    """2 GRPO steps on the quickstart task through the DeepSpeed launcher on 1 GPU, bf16, ZeRO-3."""
+    try:
+        import megagrpo.train  # noqa: F401  (every module the trainer imports)
+    except ModuleNotFoundError as e:
+        raise Missing(f"{e.name} (megagrpo.train imports it)") from e
+    engine = "hf" if vllm_problem() else "vllm"
+    out = {"rollout_engine": engine, **_grpo_run(work, deadline, "grpo_zero3", "grpo", 1, engine)}
+    out.pop("series", None)
+    if engine == "hf":
+        out["note"] = "no CUDA build of vllm: the rollout ran on transformers (rollout.engine=hf)"
+    return out
+
+
+def check_generator_tp2(work: Path, deadline: float) -> dict:
+    """2 GRPO steps on 2 GPUs (ZeRO-3 over 2 ranks) with one vLLM engine sharded over both
+    (rollout.tensor_parallel_size 2) against an engine per GPU (1): the GPU memory in use per
+    rank after the rollout and the rollout's tokens/s."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        raise Missing(f"a second GPU ({torch.cuda.device_count()} visible): the sharded generator needs 2")
+    out, problems = {}, []
+    for t in (1, 2):
+        run = _grpo_run(work, deadline, "generator_tp2", f"tp{t}", 2, "vllm", (f"rollout.tensor_parallel_size={t}",))
+        series = run.pop("series", {})
+        out[f"tp{t}"] = {**run, "gpu_used_gib_after_rollout": series.get("train/memory/gpu_used_gib/rollout", []),
+                         "rollout_s": series.get("train/time/rollout", []),
+                         "step_tokens_per_s": series.get("train/tokens_per_second", [])}
+        if not run["ok"]:
+            problems.append(f"rollout.tensor_parallel_size={t}: {run['error']}")
+    if not problems:
+        out["gpu_used_ratio_tp2_to_tp1"] = (out["tp2"]["gpu_used_gib_after_rollout"][-1]
+                                            / out["tp1"]["gpu_used_gib_after_rollout"][-1])
     out.update(ok=not problems, error="; ".join(problems) or None)
     return out
 
@@ -583,8 +617,8 @@ def nccl_worker(result: str) -> None:
 
 FUNCTIONS = {"env": step_env, "prepare": step_prepare, "vllm_sleep": check_vllm_sleep,
              "flash_logprobs": check_flash_logprobs, "grpo_zero3": check_grpo_zero3,
-             "weight_sync": check_weight_sync, "nccl": check_nccl}
-WITH_DEADLINE = {"prepare", "grpo_zero3", "nccl"}
+             "weight_sync": check_weight_sync, "nccl": check_nccl, "generator_tp2": check_generator_tp2}
+WITH_DEADLINE = {"prepare", "grpo_zero3", "nccl", "generator_tp2"}
 
 
 # ---- running a step ----------------------------------------------------------------------------

@@ -170,10 +170,12 @@ class PhaseClock:
     """Seconds and peak resident memory of each phase of a step, lap by lap (a phase lapped
     twice adds up its seconds and keeps the larger peak). The peak is this process's high-water
     mark (Linux VmHWM), reset at every lap through /proc/self/clear_refs, so a phase's peak
-    includes its transients; 0 where /proc has neither."""
+    includes its transients; 0 where /proc has neither. On CUDA also the GPU memory in use at
+    the phase's end (the whole device's: the trainer's and vLLM's, which allocates outside
+    torch's caching allocator)."""
 
     def __init__(self):
-        self.seconds, self.peak_rss_gib = {}, {}
+        self.seconds, self.peak_rss_gib, self.gpu_used_gib = {}, {}, {}
         _reset_peak_rss()
         self._start = time.perf_counter()
 
@@ -182,16 +184,21 @@ class PhaseClock:
         self.seconds[phase], self._start = self.seconds.get(phase, 0.0) + now - self._start, now
         self.peak_rss_gib[phase] = max(self.peak_rss_gib.get(phase, 0.0), _status_gib("VmHWM"))
         _reset_peak_rss()
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            self.gpu_used_gib[phase] = max(self.gpu_used_gib.get(phase, 0.0), (total - free) / 2**30)
 
     def metrics(self) -> dict:
-        """time/<phase>, and memory/peak_rss_gib/<phase> and memory/rss_gib as the largest of any
-        rank."""
+        """time/<phase>, memory/peak_rss_gib/<phase> and memory/rss_gib, and on CUDA
+        memory/gpu_used_gib/<phase>, as the largest of any rank."""
         phases = list(self.peak_rss_gib)
-        peaks = all_reduce(torch.tensor([self.peak_rss_gib[p] for p in phases] + [_status_gib("VmRSS")],
+        gpu = [self.gpu_used_gib[p] for p in phases if p in self.gpu_used_gib]
+        peaks = all_reduce(torch.tensor([self.peak_rss_gib[p] for p in phases] + [_status_gib("VmRSS")] + gpu,
                                         dtype=torch.float64), "max").tolist()
         out = {f"time/{p}": s for p, s in self.seconds.items()}
         out.update({f"memory/peak_rss_gib/{p}": v for p, v in zip(phases, peaks)})
-        out["memory/rss_gib"] = peaks[-1]
+        out["memory/rss_gib"] = peaks[len(phases)]
+        out.update({f"memory/gpu_used_gib/{p}": v for p, v in zip(phases, peaks[len(phases) + 1:])})
         return out
 
 

@@ -137,11 +137,13 @@ def test_shipped_job_configs_validate_and_dry_run(tiny, tmp_path, monkeypatch):
     from megagrpo.validation import load_config
     arch = {"0.5b": (896, 4864, 24, 14, 2, 151936, True, 494.03),
             "7b": (3584, 18944, 28, 28, 4, 152064, False, 7615.62),
-            "32b": (5120, 27648, 64, 40, 8, 152064, False, 32763.88)}
+            "32b": (5120, 27648, 64, 40, 8, 152064, False, 32763.88),
+            "72b": (8192, 29568, 80, 64, 8, 152064, False, 72706.20)}
     jobs = [("configs/qwen2.5_0.5b_1gpu.yaml", "0.5b", "hostfiles/single_node", {"GPUS_PER_NODE": "1"}, 1),
             ("configs/qwen2.5_7b_1x8.yaml", "7b", "hostfiles/single_node", {}, 8),
             ("configs/qwen2.5_7b_lora_1x8.yaml", "7b", "hostfiles/single_node", {}, 8),
-            ("configs/qwen2.5_32b_4x8.yaml", "32b", "hostfiles/4x8", {}, 32)]
+            ("configs/qwen2.5_32b_4x8.yaml", "32b", "hostfiles/4x8", {}, 32),
+            ("configs/qwen2.5_72b_4x8.yaml", "72b", "hostfiles/4x8", {}, 32)]
     data = [f"data.train_file={tiny['data']}/train.jsonl", f"data.eval_file={tiny['data']}/eval.jsonl"]
     commands = []
     monkeypatch.chdir(ROOT)  # configs name their DeepSpeed JSON relative to the repository
@@ -164,6 +166,8 @@ def test_shipped_job_configs_validate_and_dry_run(tiny, tmp_path, monkeypatch):
     for (config, name, hostfile, _, world), out in zip(jobs, outputs):
         assert f"world {world} = dp {world} x tp 1" in out, out
         assert f"model: {arch[name][-1]:.2f}M parameters" in out
+        if world == 32:  # one vLLM engine per node, sharded over its 8 GPUs
+            assert "world 32 = dp 32 x tp 1 x pp 1, vLLM tp 8" in out and "rollout_weights" in out
         assert f"command: deepspeed --hostfile {hostfile}" in out and f"--config {config}" in out
         assert "megagrpo: launching" not in out
         if "lora" in config:  # r 32 on every linear layer: 32 x (in + out) x 7 per layer, 28 layers
