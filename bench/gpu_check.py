@@ -8,7 +8,8 @@ Steps: env (what is installed: a CUDA torch, vllm's CUDA build, flash_attn, deep
 prepare (the demo task and tiny models, tools/make_demo_data.py and tools/make_tiny_model.py),
 then the checks:
   vllm_sleep      vllm.LLM(enable_sleep_mode=True): generate, sleep(level=1), a torch train step
-                  on the GPU, wake_up, generate again; GPU memory freed by the sleep
+                  on the GPU, wake_up of the weights then of the KV cache (as the trainer does),
+                  generate again; GPU memory freed by the sleep and back after each wake-up
   flash_logprobs  the trainer's log-prob pass (megagrpo.policy.logprobs, packing) with flash-attn
                   varlen on one packed row against SDPA on padded rows, bf16; max abs difference
   grpo_zero3      2 GRPO steps of configs/tiny_arith.yaml, bf16, ZeRO-3 (configs/ds_zero3_bf16.json),
@@ -295,12 +296,16 @@ def check_vllm_sleep(work: Path) -> dict:
     del model, optimizer, loss
     torch.cuda.empty_cache()
 
+    # as the trainer wakes it (VLLMGenerator.wake_up): the weights for the sync, then the KV cache
     clock = time.perf_counter()
-    llm.wake_up()
+    llm.wake_up(tags=["weights"])
+    free_weights = torch.cuda.mem_get_info()[0]
+    llm.wake_up(tags=["kv_cache"])
     out["wake_s"] = time.perf_counter() - clock
     free_woken = torch.cuda.mem_get_info()[0]
     second = generate()
     out.update(gpu_free_gib_awake=free_awake / gib, gpu_free_gib_asleep=free_asleep / gib,
+               gpu_free_gib_weights_woken=free_weights / gib,
                gpu_free_gib_after_wake=free_woken / gib, gpu_freed_by_sleep_gib=(free_asleep - free_awake) / gib,
                completions=len(first), completion_tokens=sum(map(len, first)),
                same_greedy_after_wake=first == second)

@@ -215,7 +215,7 @@ class Trainer:
             groups = self.generator_group.map(
                 lambda pairs: self.stack.generate([p for p, _ in pairs], n=n, seeds=[s for _, s in pairs],
                                                   greedy=greedy), list(zip(prompts, seeds)))
-            self.generator.sleep()
+        self.generator.sleep()  # (on GPU; an engine that did not sample frees its memory too)
         if self.topo.shares_rollout:
             box = [groups]
             torch.distributed.broadcast_object_list(box, src=self.topo.model_group_source,

@@ -146,13 +146,16 @@ def test_crash_at_every_point_of_a_save_resumes_from_a_complete_checkpoint(tiny,
 def test_resume_on_another_number_of_dp_ranks_continues_the_same_run(tiny, tmp_path):
     """A dp=2 ZeRO-3 checkpoint (step 1) resumed on one rank with the same global batch goes
     through DeepSpeed's universal checkpoint: its step 2 has the loss of the original layout's
-    step 2, the same prompts, and ends with the same parameters. A change of pp is refused."""
+    step 2, the same prompts, and ends with the same parameters. A change of pp is refused.
+    The dp=2 run samples with one vLLM engine sharded over both ranks (pooling their prompts),
+    the one-rank run with a whole engine: the same losses and parameters hold the generator
+    layouts equal too."""
     common = ["data.eval_file=null", "grpo.max_steps=2", "grpo.learning_rate=1e-4",
               "logging.sample_steps=0", "checkpoint.save_steps=1"]
     two, one = tmp_path / "dp2", tmp_path / "dp1"
     run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
          "megagrpo.train", "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, two), *common,
-         "grpo.per_device_train_batch_size=16"])
+         "grpo.per_device_train_batch_size=16", "rollout.tensor_parallel_size=2"])
     step1 = two / "checkpoints" / "step_00000001"
     resumed = run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                    *tiny_overrides(tiny, one), *common, "grpo.per_device_train_batch_size=32",

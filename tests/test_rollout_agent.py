@@ -242,14 +242,18 @@ def test_multi_turn_one_rank_tokens_logprobs_bad_calls_and_environment(tiny, tmp
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", ["dp2_zero3", "tp2"])
+@pytest.mark.parametrize("layout", ["dp2_zero3_vllm_tp2", "tp2"])
 def test_multi_turn_two_ranks_tokens_and_logprobs(tiny, tmp_path, layout):
-    """dp 2 under ZeRO-3: each rank samples its own prompts. tp 2: the first rank samples and
-    shares its trajectories with the other, which trains on the same tokens."""
+    """dp 2 under ZeRO-3 with one vLLM engine sharded over both ranks: the engine runs both
+    ranks' prompts as one pooled batch, the first rank runs the tools, each rank trains on its
+    own prompts' trajectories. tp 2 (the engine at tp 2 too): the ranks share the trajectories
+    and train on the same tokens. (One rank per engine, dp 2: the agentic quickstart.)"""
     out = tmp_path / "two"
     extra = {"rollout.tools": "[python]"}
     if layout == "tp2":
         extra["parallel.tensor_parallel_size"] = 2
+    else:
+        extra["rollout.tensor_parallel_size"] = 2
     overrides = _agent_overrides(tiny, out, "python_parser", **extra)
     run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "tests/helpers/agent_probe.py",
          "--config", "configs/tiny_arith.yaml", *overrides], env={"PYTHONPATH": f"{ROOT}:{ROOT}/tests/helpers"})
