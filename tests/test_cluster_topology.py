@@ -39,3 +39,24 @@ def test_groups_match_deepspeed(world, tp, pp):
         assert p.model_group_source == p.model_ranks()[0]
         assert p.samples_rollout == (p.tp_rank == 0 and p.pp_rank == 0)
         assert p.dp_ranks()[p.dp_rank] == p.rank
+
+
+@pytest.mark.parametrize("world,tp,pp,generator_tp", [(4, 2, 1, 2), (4, 1, 1, 2), (8, 2, 1, 4), (8, 4, 1, 2),
+                                                      (8, 2, 1, 8), (4, 2, 2, 1), (4, 1, 1, 1), (4, 2, 1, 1)])
+def test_generator_groups(world, tp, pp, generator_tp):
+    """Generator groups are blocks of consecutive ranks (vLLM's tp groups under the external
+    launcher). Each model group's rollout comes from the ranks whose block holds the group's
+    first rank; the ranks of a block lie in one trainer tp group or cover whole ones, so a block
+    pools whole dp replicas; the ranks that sample nothing get the rollout from the source."""
+    places = [Topology(world, r, 0, tp, pp, generator_tp=generator_tp) for r in range(world)]
+    for p in places:
+        block = p.generator_ranks()
+        assert block == list(range(block[0], block[0] + generator_tp)) and block[0] % generator_tp == 0
+        assert p.rank in block and all(places[r].generator_ranks() == block for r in block)
+        replicas = {places[r].dp_rank for r in block}
+        tp_groups = {tuple(places[r].stage_ranks(places[r].pp_rank)) for r in block}
+        assert len(replicas) == 1 or all(set(g) <= set(block) for g in tp_groups)  # whole replicas
+        sampling_block = places[p.model_group_source].generator_ranks()
+        assert p.generates == (p.rank in sampling_block)
+        model = p.model_ranks()
+        assert p.shares_rollout == (len(model) > 1 and not all(places[q].generates for q in model))

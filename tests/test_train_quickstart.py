@@ -17,7 +17,7 @@ QUICKSTART_CONSOLE = [
     r"tiny Qwen2: [\d.]+M parameters, .* -> \S+",
     r"warm start step +\d+/\d+ loss [\d.]+ \(\d+s\)",
     r"warm-started model -> \S+",
-    r"\[megagrpo\] world \d+ = dp \d+ x tp \d+ x pp \d+; .*",
+    r"\[megagrpo\] world \d+ = dp \d+ x tp \d+ x pp \d+, vLLM tp \d+; .*",
     r"\[megagrpo\] \d+ training prompts; .*",
     r"\[megagrpo\] ready in [\d.]+ s\b.*",  # the start-up timeline
     r"\[megagrpo\] held-out (before|after) training: reward .*",

@@ -161,7 +161,7 @@ class Topology:
     def shares_rollout(self) -> bool:
         """Whether some ranks of this model group do not generate and receive the rollout
         from the group's first rank."""
-        return self.model_group is not None and not (self.pp_size == 1 and self.generator_tp >= self.tp_size)
+        return self.model_size > 1 and not (self.pp_size == 1 and self.generator_tp >= self.tp_size)
 
     def generator_ranks(self) -> list[int]:
         """Global ranks of this rank's generator group (consecutive, as vLLM forms them)."""

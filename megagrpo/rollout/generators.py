@@ -66,7 +66,7 @@ class VLLMGenerator:
             kwargs["max_num_batched_tokens"] = max(4096, r.max_model_len or max_sequence_length(cfg))
         self.llm = LLM(
             model=model_path, dtype=cfg.model.dtype, seed=seed,
-            distributed_executor_backend="external_launcher", tensor_parallel_size=r.tensor_parallel_size,
+            distributed_executor_backend="external_launcher", tensor_parallel_size=r.tensor_parallel_size or 1,
             gpu_memory_utilization=r.gpu_memory_utilization,
             max_model_len=r.max_model_len or max_sequence_length(cfg),
             logprobs_mode="processed_logprobs", enable_sleep_mode=self.can_sleep,
