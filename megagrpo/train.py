@@ -54,7 +54,8 @@ class Trainer:
         self.cfg, self.topo = cfg, topology
         if topology.generator_tp != cfg.rollout.tensor_parallel_size:  # the engine's tp groups and ours must agree
             raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}, but the process "
-                              f"groups were made for {topology.generator_tp}: pass it to init_distributed(generator_tp=)")
+                              f"groups were made for {topology.generator_tp}: pass it to "
+                              "init_distributed(generator_tp=)")
         self.startup = startup = startup or StartupTimeline()
         g = cfg.grpo
         self.device = torch.device(f"cuda:{topology.local_rank}" if torch.cuda.is_available() else "cpu")
