@@ -279,6 +279,12 @@ def _evaluate(args, merged) -> int:
         return 2
     output = args.output or os.path.join(args.model, "eval")
     quiet_library_output()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % cfg.rollout.tensor_parallel_size:
+        print(f"megagrpo: config error: rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} (by default "
+              f"parallel.tensor_parallel_size) does not divide this eval's {world} rank(s): launch a multiple of it "
+              "or pass rollout.tensor_parallel_size=1", file=sys.stderr)
+        return 2
     topology = init_distributed(generator_tp=cfg.rollout.tensor_parallel_size)
     group = GeneratorGroup(topology)  # every rank evaluates its own prompts; a group shares one engine
     try:
@@ -288,11 +294,8 @@ def _evaluate(args, merged) -> int:
                   "only). Pass them with --config X.yaml (its rewards.functions) or an override, e.g. "
                   "'rewards.functions=[{name: answer_match}]'", file=sys.stderr, flush=True)
         stack.start_generator(seed=cfg.grpo.seed + topology.generator_ranks()[0], run_once=group.run_once)
-
-        def generate(prompts, n, seeds, greedy):
-            return group.map(lambda pairs: stack.generate([p for p, _ in pairs], n, [s for _, s in pairs], greedy),
-                             list(zip(prompts, seeds)))
-        records, results = evaluate(stack, stack.eval_prompts, topology.rank, topology.world_size, generate,
+        records, results = evaluate(stack, stack.eval_prompts, topology.rank, topology.world_size,
+                                    lambda prompts, **kw: group.generate(stack, prompts, **kw),
                                     lambda requests: group.map(stack.generator.score, requests))
         stack.close()
     except (DataError, RewardError, ConfigError) as e:

@@ -216,9 +216,7 @@ class Trainer:
         did not sample, so that every rank trains on the same tokens."""
         groups = None
         if self.topo.generates:
-            groups = self.generator_group.map(
-                lambda pairs: self.stack.generate([p for p, _ in pairs], n=n, seeds=[s for _, s in pairs],
-                                                  greedy=greedy), list(zip(prompts, seeds)))
+            groups = self.generator_group.generate(self.stack, prompts, n, seeds, greedy)
         self.generator.sleep()  # (on GPU; an engine that did not sample frees its memory too)
         if self.topo.shares_rollout:
             box = [groups]

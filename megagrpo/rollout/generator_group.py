@@ -10,8 +10,9 @@ rank runs them and shares their results before the next turn, so that no rank's 
 can send its engine a different prompt.
 
     group = GeneratorGroup(topology)
-    completions = group.map(lambda pairs: sample(pairs), list(zip(prompts, seeds)))
-    results = group.run_once(lambda: run_tools(calls))   # inside the multi-turn loop
+    completions = group.generate(stack, prompts, n, seeds)   # stack.RolloutStack's, pooled
+    scores = group.map(generator.score, requests)             # any list -> list of results
+    results = group.run_once(lambda: run_tools(calls))       # inside the multi-turn loop
 """
 from __future__ import annotations
 
@@ -49,6 +50,12 @@ class GeneratorGroup:
         results = [fn(pooled) if pooled else []]
         dist.broadcast_object_list(results, src=self.leader, group=self.group)
         return results[0][mine]
+
+    def generate(self, stack, prompts: list, n: int, seeds: list[int], greedy: bool = False) -> list[list]:
+        """stack.generate (one generator call, or the multi-turn loop) through the group: n
+        completions for each of this rank's prompts."""
+        return self.map(lambda pairs: stack.generate([p for p, _ in pairs], n=n, seeds=[s for _, s in pairs],
+                                                     greedy=greedy), list(zip(prompts, seeds)))
 
     def run_once(self, fn: Callable[[], object]) -> object:
         """fn() on the group's first rank; its result on every rank of the group."""
