@@ -81,18 +81,19 @@ class Topology:
         if self.tp_size > 1 and self.pp_size == 1:
             tp_group = model_group
         elif self.tp_size > 1:
-            for first in range(0, self.world_size, self.tp_size):
-                group = dist.new_group(list(range(first, first + self.tp_size)))
-                if first <= self.rank < first + self.tp_size:
-                    tp_group = group
-        generator_group = None
-        if self.generator_tp > 1:
-            for first in range(0, self.world_size, self.generator_tp):
-                group = dist.new_group(list(range(first, first + self.generator_tp)))
-                if first <= self.rank < first + self.generator_tp:
-                    generator_group = group
+            tp_group = self._block_group(self.tp_size)
+        generator_group = self._block_group(self.generator_tp) if self.generator_tp > 1 else None
         return dataclasses.replace(self, dp_group=dp_group, model_group=model_group, tp_group=tp_group,
                                    generator_group=generator_group)
+
+    def _block_group(self, size: int):
+        """Collective: a group for each block of `size` consecutive ranks; returns this rank's."""
+        mine = None
+        for first in range(0, self.world_size, size):
+            group = dist.new_group(list(range(first, first + size)))
+            if first <= self.rank < first + size:
+                mine = group
+        return mine
 
     def at(self, rank: int) -> "Topology":
         """The same layout seen from another rank (for tables of every rank's place)."""
