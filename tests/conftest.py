@@ -45,6 +45,7 @@ def run(cmd, timeout=600, env=None, check=True, cwd=ROOT):
     _check_marked(cmd)
     full_env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
                 **(env or {})}
+    started = time.time()
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -57,11 +58,23 @@ def run(cmd, timeout=600, env=None, check=True, cwd=ROOT):
         raise AssertionError(f"{cmd} did not finish within {timeout} s (stacks below, from SIGABRT)\n"
                              f"--- stdout\n{out[-6000:]}\n--- stderr\n{err[-12000:]}")
     _signal_session(proc.pid, signal.SIGKILL)
+    _log_launch(cmd, time.time() - started)
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and result.returncode != 0:
         raise AssertionError(f"{cmd} exited {result.returncode}\n--- stdout\n{out[-6000:]}\n"
                              f"--- stderr\n{err[-6000:]}")
     return result
+
+
+def _log_launch(cmd, seconds: float) -> None:
+    """With MEGAGRPO_TEST_LAUNCH_LOG=file, append {test, command, seconds} for each `run`: where
+    the suite's time goes, per process it starts (docs/benchmarks.md, the test suite)."""
+    path = os.environ.get("MEGAGRPO_TEST_LAUNCH_LOG")
+    if path:
+        words = [os.path.basename(str(w)) if os.path.isabs(str(w)) else str(w) for w in cmd[:6]]
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": _running[0].nodeid if _running else None, "command": " ".join(words),
+                                "seconds": round(seconds, 1)}) + "\n")
 
 
 def _signal_session(pid: int, sig: int) -> None:

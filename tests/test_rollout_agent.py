@@ -305,9 +305,11 @@ def test_single_turn_run_is_bit_identical_to_the_trainer_before_multi_turn(tiny,
         runs[name] = tmp_path / f"run_{name}"
         # the KL bias correction came later (on by default); off, the objective is the one before
         now = {"grpo.use_bias_correction_kl": "false"} if name == "now" else {}
+        # the old trainer does not put the venv's ninja first on PATH (cluster/distributed.py):
+        # with Debian's it would rebuild DeepSpeed's CPU all-reduce op, and this one rebuild it back
         run([PYTHON, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
              *tiny_overrides(tiny, runs[name], **{"grpo.max_steps": 3, "checkpoint.save_steps": 0, **now})],
-            cwd=tree, env={"PYTHONPATH": tree})
+            cwd=tree, env={"PYTHONPATH": tree, "PATH": os.pathsep.join([BIN, os.environ.get("PATH", "")])})
     before, now = _scalars(runs["before"]), _scalars(runs["now"])
     assert before.keys() == now.keys() and len(before) > 20
     assert before == now
