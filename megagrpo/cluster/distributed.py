@@ -52,7 +52,6 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     local_rank = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
-    share_cores_between_local_ranks()
     prepare_op_build(clear_lock=local_rank == "0")
     # under mpirun DeepSpeed's MPI discovery (mpi4py) sets RANK/WORLD_SIZE/LOCAL_RANK and
     # MASTER_ADDR; it would set MASTER_PORT to its default 29500 unless told the launcher's
@@ -64,22 +63,6 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
     if torch.cuda.is_available():
         torch.cuda.set_device(topology.local_rank)
     return topology
-
-
-# how each launcher tells a rank how many ranks its node runs
-LOCAL_WORLD_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
-
-
-def share_cores_between_local_ranks() -> None:
-    """Without OMP_NUM_THREADS, give each of the node's ranks its share of the cores for torch's
-    intra-op threads (torchrun sets 1). torch starts a thread per core in every rank, so ranks
-    that share a node run more threads than it has cores, and wait on each other: a 4-rank job
-    on 2 cores took 92 s with them, 83 s with a share each (docs/benchmarks.md)."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    local = next((os.environ[v] for v in LOCAL_WORLD_SIZE_VARIABLES if os.environ.get(v, "").isdigit()), "1")
-    if int(local) > 1:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(local)))
 
 
 def prepare_op_build(clear_lock: bool = True) -> None:
