@@ -50,7 +50,10 @@ def encode(tokenizer, row: dict, tools=None, renderer=None) -> tuple[list[int], 
 
 
 def similar_lengths(batch: list, parts: int) -> list[list]:
-    """The batch sorted by length and cut into `parts` micro-batches of (nearly) equal counts."""
+    """The batch sorted by length and cut into `parts` micro-batches of (nearly) equal counts
+    (one part: the batch as sampled)."""
+    if parts == 1:
+        return [batch]
     ordered = sorted(batch, key=lambda example: len(example[0]))
     size = -(-len(ordered) // parts)
     return [ordered[i:i + size] for i in range(0, len(ordered), size)]
@@ -71,8 +74,10 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="output HF model folder")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--micro-batches", type=int, default=2,
-                   help="rows of similar length go together, padded to their longest (default 2)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="cut each batch into this many micro-batches of rows of similar length, each "
+                        "padded to its longest: less padding where lengths vary (the quickstart's "
+                        "multi-turn rows: 2)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tools", nargs="*", default=[], choices=["python"],
@@ -97,12 +102,13 @@ def main(argv=None):
     model.train()
     for step in range(args.steps):
         batch = rng.sample(examples, min(args.batch_size, len(examples)))
-        # the token mean over the whole batch, summed over micro-batches of similar lengths
-        # (less padding: the same gradient up to rounding, in 2/3 of the time on the multi-turn rows)
+        # the token mean over the whole batch; in micro-batches of similar lengths, their sum
+        # (less padding: the same gradient up to rounding, in 2/3 of the time on multi-turn rows)
         predicted = sum(sum(label != -100 for label in labels[1:]) for _, labels in batch)
+        mean = {"num_items_in_batch": predicted} if args.micro_batches > 1 else {}
         loss = 0.0
         for part in similar_lengths(batch, args.micro_batches):
-            part_loss = model(**pad(part, tokenizer.pad_token_id), num_items_in_batch=predicted).loss
+            part_loss = model(**pad(part, tokenizer.pad_token_id), **mean).loss
             part_loss.backward()
             loss += part_loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
