@@ -85,6 +85,8 @@ def main(argv=None):
     p.add_argument("--max-tool-response-tokens", type=int, default=256,
                    help="as rollout.max_tool_response_tokens")
     args = p.parse_args(argv)
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches {args.micro_batches}: give 1 or more")
     quiet_console()  # no progress bars (transformers' `Loading weights`, `Writing model shards`) off a terminal
 
     torch.manual_seed(args.seed)
