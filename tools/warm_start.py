@@ -106,8 +106,8 @@ def main(argv=None):
         batch = rng.sample(examples, min(args.batch_size, len(examples)))
         # the token mean over the whole batch; in micro-batches of similar lengths, their sum
         # (less padding: the same gradient up to rounding, in 2/3 of the time on multi-turn rows)
-        predicted = sum(sum(label != -100 for label in labels[1:]) for _, labels in batch)
-        mean = {"num_items_in_batch": predicted} if args.micro_batches > 1 else {}
+        mean = {} if args.micro_batches == 1 else {  # one batch: the model's own token mean
+            "num_items_in_batch": sum(sum(label != -100 for label in labels[1:]) for _, labels in batch)}
         loss = 0.0
         for part in similar_lengths(batch, args.micro_batches):
             part_loss = model(**pad(part, tokenizer.pad_token_id), **mean).loss
