@@ -16,7 +16,8 @@ if [ "${LORA:-0}" = 1 ]; then
   # rank-16 adapters on the quickstart's warm-started model (shared with the full run)
   RUN_DIR="${RUN_DIR:-runs/tiny}" CONFIG=configs/tiny_lora.yaml TASK=add TOOLS="" TOOL_TOKENS="" GRPO_DIR=grpo_lora
 elif [ "$AGENT" = 1 ]; then
-  RUN_DIR="${RUN_DIR:-runs/agent}" CONFIG=configs/tiny_agent.yaml TASK=multiply TOOLS="--tools python"
+  # multi-turn rows differ in length: the warm start pads each half of a length-sorted batch alone
+  RUN_DIR="${RUN_DIR:-runs/agent}" CONFIG=configs/tiny_agent.yaml TASK=multiply TOOLS="--tools python --micro-batches 2"
   TOOL_TOKENS="--tool-tokens"
 else
   RUN_DIR="${RUN_DIR:-runs/tiny}" CONFIG=configs/tiny_arith.yaml TASK=add TOOLS="" TOOL_TOKENS=""
@@ -47,7 +48,7 @@ if [ ! -f "$RUN_DIR/warm/config.json" ]; then
   # shellcheck disable=SC2086  # TOOL_TOKENS is empty or one flag
   python tools/make_tiny_model.py $TOOL_TOKENS --out "$RUN_DIR/model" --corpus "$RUN_DIR/data/sft.jsonl"
   echo "== 2/3 warm start (supervised, separate step; see tools/warm_start.py)"
-  # shellcheck disable=SC2086  # TOOLS is empty or two words
+  # shellcheck disable=SC2086  # TOOLS is empty or four words
   python tools/warm_start.py $TOOLS --model "$RUN_DIR/model" --data "$RUN_DIR/data/sft.jsonl" --out "$RUN_DIR/warm"
 fi
 
