@@ -1,6 +1,7 @@
 """The package's shape: the layering the imports keep (docs/architecture.md), no import cycles, no
 large modules, the generated configuration page up to date, lint."""
 import ast
+import os
 import pathlib
 import re
 import shutil
@@ -178,3 +179,15 @@ def test_readme_is_a_front_door_to_every_docs_page():
     assert len(pages) >= 10
     missing = [name for name in pages if f"](docs/{name})" not in readme]
     assert not missing, f"docs pages not linked from README.md: {missing}"
+
+
+def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
+    """`import megagrpo` sets OMP_WAIT_POLICY before torch is loaded (libgomp reads it then,
+    docs/cpu-stack.md); a value the user set stays."""
+    code = ("import os, sys; import megagrpo; loaded = 'torch' in sys.modules; import torch; "
+            "print(os.environ['OMP_WAIT_POLICY'], loaded)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for user, expected in ((None, "PASSIVE False"), ("ACTIVE", "ACTIVE False")):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                              env={**env, **({"OMP_WAIT_POLICY": user} if user else {})})
+        assert proc.stdout.split() == expected.split(), proc.stderr[-2000:]
