@@ -47,5 +47,5 @@ setup(
         # mpirun launches (launch/mpirun.sh): DeepSpeed finds ranks through mpi4py; needs OpenMPI
         "mpi": ["mpi4py>=4"],
     },
-    entry_points={"console_scripts": ["megagrpo=megagrpo.cli:main"]},
+    entry_points={"console_scripts": ["megagrpo=megagrpo.cli:run"]},
 )

@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from megagrpo.process_exit import exit_without_teardown
 from megagrpo.rollout.agent import Trajectory
 from megagrpo.rollout.generators import EVAL_STEP, sampling_seed
 
@@ -319,4 +320,4 @@ def _evaluate(args, merged) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -39,6 +39,7 @@ from megagrpo.metrics import (
 )
 from megagrpo.policy import build_policy
 from megagrpo.policy.batch import make_batch
+from megagrpo.process_exit import exit_without_teardown
 from megagrpo.rewards import RewardError, component_metrics
 from megagrpo.rollout.agent import agent_metrics
 from megagrpo.rollout.generator_group import GeneratorGroup
@@ -330,4 +331,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -68,7 +68,7 @@ def find_cycle(graph: dict[str, set[str]]):
 # The order of the packages (docs/architecture.md): each imports only those in layers before its
 # own, never one of its layer or above. A module at the top of megagrpo/ is its own package.
 LAYERS = [
-    ("megagrpo", "dtypes", "console", "config"),  # megagrpo: the package's own __init__
+    ("megagrpo", "dtypes", "console", "process_exit", "config"),  # megagrpo: the package's own __init__
     ("cluster",),
     ("sandbox",),
     ("algorithm",),

@@ -34,6 +34,12 @@ def _losses(out):
     return [v for _, v in _scalars(out, "train/loss")]
 
 
+def _vllm_shared_memory() -> set[str]:
+    """vLLM-CPU's shared-memory segments of tp > 1 engines (a job that leaves one behind makes
+    the next job of the same layout fail with EEXIST)."""
+    return {name for name in os.listdir("/dev/shm") if "-cpushm_" in name}
+
+
 @pytest.fixture(scope="module")
 def single_rank(tiny, tmp_path_factory):
     """The one-rank run of a global batch of `completions` with an objective (each run once per
@@ -57,6 +63,7 @@ def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp,
     """cispo: CISPO with an entropy bonus (its gradient through the fused head) under AutoTP."""
     dp = ranks // tp
     reference, parallel = single_rank(16 * dp, objective), tmp_path / f"dp{dp}_tp{tp}"  # 2 prompts x 8 per dp rank
+    shared_memory = _vllm_shared_memory()
     proc = run([f"{BIN}/deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
                 "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
@@ -64,6 +71,7 @@ def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp,
                 "checkpoint.save_steps=1", *OBJECTIVES[objective]],
                timeout=800)
     assert f"world {ranks} = dp {dp} x tp {tp}" in proc.stdout
+    assert "vLLM tp 2" in proc.stdout and _vllm_shared_memory() <= shared_memory  # removed at the ranks' exit
     expected, got = _losses(reference), _losses(parallel)
     assert len(got) == 2 and abs(got[0] - expected[0]) < 1e-5, (expected, got)
     a = load_file(str(reference / "hf" / "model.safetensors"))

@@ -29,6 +29,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megagrpo.console import on_terminal, quiet_console
+from megagrpo.process_exit import exit_without_teardown
 
 # ChatML. With tools, a system block lists them in one line (name(arguments)), and `tool`
 # messages go back as a user turn of <tool_response> blocks, as Qwen2.5's template does; without
@@ -188,3 +189,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megagrpo.console import quiet_console
+from megagrpo.process_exit import exit_without_teardown
 from megagrpo.rollout.agent import ToolMessageRenderer
 from megagrpo.rollout.tools import PYTHON_SCHEMA
 
@@ -127,3 +128,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)

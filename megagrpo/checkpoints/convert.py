@@ -51,6 +51,7 @@ from megagrpo.checkpoints.safetensors_writer import write_safetensors
 from megagrpo.config.schema import ConfigError
 from megagrpo.dtypes import DTYPES
 from megagrpo.policy import lora
+from megagrpo.process_exit import exit_without_teardown
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
@@ -366,4 +367,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())
