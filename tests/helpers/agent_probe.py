@@ -20,6 +20,7 @@ import agent_tools
 
 from megagrpo.cluster.distributed import init_distributed
 from megagrpo.policy.batch import make_batch
+from megagrpo.process_exit import exit_without_teardown
 from megagrpo.rollout.generators import sampling_seed
 from megagrpo.train import Trainer, parse_args
 from megagrpo.validation import load_config
@@ -77,3 +78,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)  # the interpreter's teardown costs seconds a rank

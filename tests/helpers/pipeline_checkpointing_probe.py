@@ -14,6 +14,7 @@ import torch
 
 from megagrpo.cluster.topology import Topology
 from megagrpo.policy.pipeline_module import build_pipeline_module
+from megagrpo.process_exit import exit_without_teardown
 from megagrpo.validation import load_config
 
 
@@ -53,3 +54,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)  # the interpreter's teardown costs seconds a rank

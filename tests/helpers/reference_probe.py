@@ -10,6 +10,7 @@ import deepspeed
 import torch
 
 from megagrpo.cluster.distributed import init_distributed
+from megagrpo.process_exit import exit_without_teardown
 from megagrpo.train import Trainer, parse_args
 from megagrpo.validation import load_config
 
@@ -40,3 +41,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)  # the interpreter's teardown costs seconds a rank

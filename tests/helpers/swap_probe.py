@@ -11,6 +11,7 @@ import torch
 from megagrpo.cluster.distributed import init_distributed
 from megagrpo.policy.batch import Completion, make_batch
 from megagrpo.policy.logprobs import completion_logprobs
+from megagrpo.process_exit import exit_without_teardown
 from megagrpo.train import Trainer, parse_args
 from megagrpo.validation import load_config
 
@@ -51,3 +52,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)  # the interpreter's teardown costs seconds a rank
