@@ -5,9 +5,9 @@ objects. At exit the interpreter runs full garbage collections over all of them 
 every module: about 1.6 s of CPU after the imports alone, 3-4 s after a vLLM engine ran, per
 rank (docs/benchmarks.md, "Where a launch's end goes"). The operating system frees that memory
 anyway. exit_without_teardown(code) does what an exit must (the atexit hooks: vLLM's engine
-shutdown, logging's and multiprocessing's; the wait for non-daemon threads; flushed streams;
-the C library's exit, whose destructors remove vLLM-CPU's shared-memory segments) and skips the
-rest. Only for `__main__` blocks and console scripts: it never returns.
+shutdown, logging's and multiprocessing's; the wait for non-daemon threads; MPI_Finalize under
+mpirun; flushed streams; the C library's exit, whose destructors remove vLLM-CPU's
+shared-memory segments) and skips the rest. Only for `__main__` blocks and console scripts: it never returns.
 This module imports nothing of megagrpo (layer 0 of tests/test_package.py::LAYERS).
 """
 from __future__ import annotations
@@ -25,6 +25,9 @@ def exit_without_teardown(code: int | None) -> NoReturn:
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
+    mpi = sys.modules.get("mpi4py.MPI")  # under mpirun (DeepSpeed's MPI discovery imports it)
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()  # mpi4py's own exit hook is one of the teardown's; mpirun calls a rank without it failed
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
