@@ -114,13 +114,30 @@ def write_jsonl(path, rows):
     return str(path)
 
 
+_SECONDS_PER_FILE: dict = {}  # test file -> [tests, seconds of setup, call and teardown]
+
+
 def pytest_runtest_logreport(report):
     """Print a failure's report as it happens, not only in the summary at the end, so that a
-    run cut short (a CI time limit) still shows why the tests before the cut failed."""
+    run cut short (a CI time limit) still shows why the tests before the cut failed. Count each
+    file's seconds (its fixtures included) for the summary."""
+    entry = _SECONDS_PER_FILE.setdefault(report.nodeid.split("::")[0], [0, 0.0])
+    entry[0] += report.when == "call"
+    entry[1] += report.duration
     if report.failed:
         text = report.longreprtext
         print(f"\n=== {report.nodeid} failed ({report.when}); end of its report:\n{text[-5000:]}\n===",
               flush=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The seconds of each test file, slowest first (docs/benchmarks.md, the test suite)."""
+    if len(_SECONDS_PER_FILE) < 2:
+        return
+    terminalreporter.section("seconds per test file")
+    for path, (tests, seconds) in sorted(_SECONDS_PER_FILE.items(), key=lambda item: -item[1][1]):
+        terminalreporter.line(f"{seconds:8.1f} s  {tests:4d} tests  {path}")
+    terminalreporter.line(f"{sum(s for _, s in _SECONDS_PER_FILE.values()):8.1f} s  in all")
 
 
 def work_tree_status() -> tuple[set[str] | None, str]:
