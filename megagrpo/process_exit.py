@@ -31,7 +31,7 @@ def exit_without_teardown(code: int | None) -> NoReturn:
     atexit._run_exitfuncs()
     mpi = sys.modules.get("mpi4py.MPI")  # under mpirun (DeepSpeed's MPI discovery imports it)
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()  # mpi4py's own exit hook is one of the teardown's; mpirun calls a rank without it failed
+        mpi.Finalize()  # mpi4py's own hook is one the teardown runs; mpirun fails a rank that skips it
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
