@@ -60,15 +60,16 @@ def main():
             row["identical_weights"] = filecmp.cmp(*(os.path.join(o, "hf", "model.safetensors")
                                                      for o in outs.values()), shallow=False)
             results.append(row)
-    print("| layout | policy | wall (s) | ready (s) | step 1 (s) | step 2 (s) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| layout | policy | wall (s) | ready (s) | step 1 (s) | step 2 (s) | exported weights |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in results:
         for policy in ("active", "passive"):
             r = row[policy]
-            print(f"| {row['layout']} | {policy} | {r['wall_s']} | {r['ready_s']} | {r['step1_s']} | {r['step2_s']} |")
+            cells = [row["layout"], policy, r["wall_s"], r["ready_s"], r["step1_s"], r["step2_s"], ""]
+            print("| " + " | ".join(map(str, cells)) + " |")
         ratio = row["passive"]["wall_s"] / row["active"]["wall_s"]
-        print(f"| {row['layout']} | passive / active | {ratio:.2f}x | | | |  weights identical: "
-              f"{row['identical_weights']}")
+        same = "identical" if row["identical_weights"] else "DIFFERENT"
+        print(f"| {row['layout']} | passive / active | {ratio:.2f}x | | | | {same} |")
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     path = os.path.join(ROOT, "bench", "results", "omp_wait_policy.json")
     json.dump(results, open(path, "w"), indent=1)
