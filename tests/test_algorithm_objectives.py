@@ -248,9 +248,9 @@ def test_dynamic_sampling_keeps_informative_groups_and_their_details():
 def test_moving_reference_mixes_partition_by_partition_on_two_zero3_ranks(tiny, tmp_path):
     """Every 2 steps the reference becomes 0.5 x policy + 0.5 x reference (ZeRO-3, 2 ranks,
     each rank mixing its own partitions); in between it stays as it was."""
-    from conftest import BIN, ROOT, free_port, run, tiny_overrides
+    from conftest import ROOT, run, tiny_overrides, torchrun
     out = tmp_path / "ref"
-    run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "tests/helpers/reference_probe.py",
+    run([*torchrun(2, "tests/helpers/reference_probe.py"),
          "--config", "configs/tiny_arith.yaml",
          *tiny_overrides(tiny, out, **{"data.eval_file": "null", "grpo.per_device_train_batch_size": 16,
                                        "grpo.learning_rate": 1e-3, "grpo.sync_ref_model": "true",

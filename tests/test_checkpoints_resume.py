@@ -11,13 +11,12 @@ import time
 
 import pytest
 import torch
-from conftest import BIN, ROOT, free_port, run, tiny_overrides
+from conftest import BIN, ROOT, run, tiny_overrides, torchrun
 from safetensors.torch import load_file
 
 
 def _command(tiny, out, extra):
-    return [f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
-            "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+    return [*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
             *tiny_overrides(tiny, out), "data.eval_file=null", "grpo.per_device_train_batch_size=16",
             "grpo.max_steps=6", "checkpoint.save_steps=3", "logging.sample_steps=0", *extra]
 
@@ -153,8 +152,8 @@ def test_resume_on_another_number_of_dp_ranks_continues_the_same_run(tiny, tmp_p
     common = ["data.eval_file=null", "grpo.max_steps=2", "grpo.learning_rate=1e-4",
               "logging.sample_steps=0", "checkpoint.save_steps=1"]
     two, one = tmp_path / "dp2", tmp_path / "dp1"
-    run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-         "megagrpo.train", "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, two), *common,
+    run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, two),
+         *common,
          "grpo.per_device_train_batch_size=16", "rollout.tensor_parallel_size=2"])
     step1 = two / "checkpoints" / "step_00000001"
     resumed = run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",

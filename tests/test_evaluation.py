@@ -1,5 +1,5 @@
 """Evaluation: metrics against the libraries and closed forms, `megagrpo eval` on the vLLM
-engine, and a GRPO run (2 ranks through the deepspeed launcher, ZeRO-3) with the code reward
+engine, and a GRPO run (2 ranks through torchrun, ZeRO-3) with the code reward
 and a reward model, evaluated every eval_steps."""
 import itertools
 import json
@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import BIN, ROOT, free_port, run, tiny_overrides, write_jsonl
+from conftest import BIN, ROOT, run, tiny_overrides, torchrun, write_jsonl
 from test_rewards_suite import make_reward_model, reference_scores
 from test_train_e2e import scalars
 
@@ -132,7 +132,7 @@ def test_megagrpo_eval_on_vllm(tiny, tmp_path):
 
 @pytest.mark.multirank
 def test_grpo_with_code_reward_and_reward_model(tiny, tmp_path):
-    """2 ranks, ZeRO-3, through the deepspeed launcher: the code reward runs tiny-model
+    """2 ranks, ZeRO-3, through torchrun: the code reward runs tiny-model
     completions in the sandbox, a reward model (a ZeRO-3 inference engine) adds its score by
     weight; the reward metrics and eval metrics land in TensorBoard. A third reward judges, in
     every batch, honest programs mixed with hostile ones (tests/helpers/hostile_programs.py,
@@ -147,8 +147,7 @@ def test_grpo_with_code_reward_and_reward_model(tiny, tmp_path):
                f"{{name: reward_model, weight: 0.1, args: {{path: '{rm}', batch_size: 8}}}}, "
                "{name: 'hostile_programs:HostileCode', weight: 0.1, "
                "args: {workers: 2, timeout_s: 3, sandbox: strict}}]")
-    run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
-         "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+    run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
          *tiny_overrides(tiny, out), f"data.train_file={train}", f"data.eval_file={held_out}",
          "rollout.engine=hf", "grpo.max_steps=2", "grpo.per_device_train_batch_size=16",
          "checkpoint.save_hf_at_end=false", "logging.eval_steps=2", "logging.eval_num_generations=2",

@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from conftest import BIN, PYTHON, free_port, run, tiny_overrides
+from conftest import PYTHON, run, tiny_overrides, torchrun
 from safetensors.torch import load_file
 
 from megagrpo.config.schema import ConfigError
@@ -52,8 +52,7 @@ def _logits(model, sequence):
 def test_lora_policy_on_the_real_stack(tiny, tmp_path, layout):
     ranks, extra = LAYOUTS[layout]
     out = tmp_path / "probe"
-    run([f"{BIN}/deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
-         "tests/helpers/lora_probe.py", "--config", "configs/tiny_arith.yaml",
+    run([*torchrun(ranks, "tests/helpers/lora_probe.py"), "--config", "configs/tiny_arith.yaml",
          *tiny_overrides(tiny, out, **{"grpo.learning_rate": 1e-3, "model.lora.r": 8}), *extra])
     fp32 = "bf16" not in layout
     results = [json.load(open(out / f"lora_rank{r}.json")) for r in range(ranks)]
@@ -120,7 +119,7 @@ def _check_exports(tiny, out, sequence, convert):
 @pytest.mark.multirank
 def test_lora_learns_the_quickstart_task_and_its_adapter_evaluates_alike(tiny, tmp_path):
     out = tmp_path / "lora"
-    run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "megagrpo.train",
+    run([*torchrun(2, "-m", "megagrpo.train"),
          "--config", "configs/tiny_lora.yaml", *tiny_overrides(tiny, out), "checkpoint.save_steps=0"], timeout=900)
     results = json.load(open(out / "eval_results.json"))
     before, after = results["before"]["rewards/answer_match"], results["after"]["rewards/answer_match"]

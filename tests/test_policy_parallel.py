@@ -1,6 +1,6 @@
 """Tensor parallel (DeepSpeed AutoTP, with ZeRO-3) and pipeline parallel (DeepSpeed
 PipelineModule, with ZeRO 0/1), proven equal to one rank: the step-1 loss and the parameters
-after 2 optimizer steps, vLLM co-located, through the deepspeed launcher. And the layouts that
+after 2 optimizer steps, vLLM co-located, through torchrun. And the layouts that
 are refused at start-up, each with its message."""
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import BIN, PYTHON, free_port, is_vllm_shared_memory, run, tiny_overrides
+from conftest import BIN, PYTHON, free_port, is_vllm_shared_memory, run, tiny_overrides, torchrun
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -64,8 +64,7 @@ def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp,
     dp = ranks // tp
     reference, parallel = single_rank(16 * dp, objective), tmp_path / f"dp{dp}_tp{tp}"  # 2 prompts x 8 per dp rank
     shared_memory = _vllm_shared_memory()
-    proc = run([f"{BIN}/deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
-                "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+    proc = run([*torchrun(ranks, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
                 f"parallel.tensor_parallel_size={tp}", "deepspeed=configs/ds_zero3.json",
                 "checkpoint.save_steps=1", *OBJECTIVES[objective]],
@@ -189,8 +188,7 @@ def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, t
     assert first and all(n == "model.embed_tokens.weight" or n.startswith("model.layers.0.") for n in first)
     original = load_file(os.path.join(tiny["warm"], "model.safetensors"))
     assert sorted(stage_files) == sorted(original)
-    proc = run([f"{BIN}/deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
-                "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+    proc = run([*torchrun(ranks, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
                 f"parallel.pipeline_parallel_size={pp}", f"parallel.tensor_parallel_size={tp}",
                 f"deepspeed=configs/{ds}.json", f"model.name_or_path={staged}",
@@ -221,8 +219,7 @@ def test_pipeline_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, t
         return
     # exact resume on the same layout: step 2 again from the step-1 checkpoint
     again = tmp_path / "resumed"
-    run([f"{BIN}/deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
-         "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+    run([*torchrun(ranks, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
          *tiny_overrides(tiny, again), *COMMON, "grpo.per_device_train_batch_size=16",
          f"parallel.pipeline_parallel_size={pp}", f"parallel.tensor_parallel_size={tp}",
          f"deepspeed=configs/{ds}.json", f"model.name_or_path={staged}",

@@ -1,4 +1,4 @@
-"""Where a run's numbers go and how they look: one 2-rank run (deepspeed launcher, ZeRO-3,
+"""Where a run's numbers go and how they look: one 2-rank run (torchrun, ZeRO-3,
 vLLM) with logging.report_to=[tensorboard, jsonl, wandb] (W&B offline) writes the same metric
 names, steps and values to all three sinks (read back: TensorBoard's event files, metrics.jsonl,
 the offline W&B run's transaction log); its log has one compact progress line per logged step
@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import BIN, PYTHON, ROOT, free_port, run, tiny_overrides
+from conftest import PYTHON, ROOT, run, tiny_overrides, torchrun
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
 
@@ -35,7 +35,7 @@ def _last_values(rows):
 @pytest.fixture(scope="module")
 def logged_run(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("report") / "run"
-    proc = run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "megagrpo.train",
+    proc = run([*torchrun(2, "-m", "megagrpo.train"),
                 "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, out),
                 "grpo.per_device_train_batch_size=16", "grpo.max_steps=4", "logging.eval_steps=2",
                 "logging.report_to=[tensorboard,jsonl,wandb]", "logging.progress_bar=true",

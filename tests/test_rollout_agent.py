@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import BIN, PYTHON, ROOT, free_port, run, tiny_overrides
+from conftest import BIN, PYTHON, ROOT, run, tiny_overrides, torchrun
 from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
@@ -255,7 +255,7 @@ def test_multi_turn_two_ranks_tokens_and_logprobs(tiny, tmp_path, layout):
     else:
         extra["rollout.tensor_parallel_size"] = 2
     overrides = _agent_overrides(tiny, out, "python_parser", **extra)
-    run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "tests/helpers/agent_probe.py",
+    run([*torchrun(2, "tests/helpers/agent_probe.py"),
          "--config", "configs/tiny_arith.yaml", *overrides], env={"PYTHONPATH": f"{ROOT}:{ROOT}/tests/helpers"})
     tokenizer = AutoTokenizer.from_pretrained(tiny["warm"])
     results = [json.load(open(out / f"agent_rank{rank}.json")) for rank in (0, 1)]

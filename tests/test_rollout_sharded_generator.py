@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from conftest import BIN, PYTHON, free_port, run
+from conftest import PYTHON, run, torchrun
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -39,7 +39,7 @@ def _hf_logprobs(weights, model_dir, sequence, start):
 @pytest.mark.multirank
 def test_tp2_engines_on_4_ranks_equal_one_tp1_engine(tiny, tmp_path):
     sharded, whole = tmp_path / "tp2", tmp_path / "tp1"
-    run([f"{BIN}/deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), PROBE,
+    run([*torchrun(4, PROBE),
          *_probe_args(tiny, sharded, 2)], timeout=600)
     run([PYTHON, PROBE, *_probe_args(tiny, whole, 1), "--all-batches"], timeout=600)
     ranks = [json.load(open(sharded / f"sharded_rank{r}.json")) for r in range(4)]

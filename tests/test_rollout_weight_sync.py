@@ -1,15 +1,15 @@
 """The weight swap is real: after a training step and the in-place sync, vLLM scores a fixed
 completion exactly as the trainer does, and differently from before the step. Two ranks,
 ZeRO-3 (the sync gathers partitioned parameters) feeding one vLLM engine sharded over both
-(rollout.tensor_parallel_size 2: each rank keeps its slices of the whole tensors), through the
-deepspeed launcher; transformers' generate; and tensor parallelism (the sync gathers AutoTP
+(rollout.tensor_parallel_size 2: each rank keeps its slices of the whole tensors), through
+torchrun; transformers' generate; and tensor parallelism (the sync gathers AutoTP
 shards into the tp=2 engine, the default generator layout under trainer tp 2). The sync into an
 unsharded engine under ZeRO-3 is held by test_policy_lora.py's layouts."""
 import json
 import os
 
 import pytest
-from conftest import BIN, free_port, run, tiny_overrides
+from conftest import run, tiny_overrides, torchrun
 from transformers import AutoTokenizer
 
 
@@ -17,8 +17,7 @@ from transformers import AutoTokenizer
 @pytest.mark.parametrize("engine,tp,generator_tp", [("vllm", 1, 2), ("hf", 1, 1), ("vllm", 2, 2)])
 def test_weight_sync_after_step(tiny, tmp_path, engine, tp, generator_tp):
     out = tmp_path / "weight_sync"
-    run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
-         "tests/helpers/swap_probe.py", "--config", "configs/tiny_arith.yaml",
+    run([*torchrun(2, "tests/helpers/swap_probe.py"), "--config", "configs/tiny_arith.yaml",
          *tiny_overrides(tiny, out, **{"rollout.engine": engine, "grpo.learning_rate": 1e-3,
                                        "grpo.max_steps": 1, "parallel.tensor_parallel_size": tp,
                                        "rollout.tensor_parallel_size": generator_tp})])

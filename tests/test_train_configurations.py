@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from conftest import BIN, PYTHON, ROOT, free_port, run, tiny_overrides
+from conftest import BIN, PYTHON, ROOT, run, tiny_overrides, torchrun
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -57,8 +57,7 @@ def train_one_rank(model, out, *extra, timeout=600):
 
 
 def train_two_ranks(model, out, *extra):
-    return run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-                *_train_args(model, out, extra)], timeout=800, env=HELPERS)
+    return run([*torchrun(2, "-m"), *_train_args(model, out, extra)], timeout=800, env=HELPERS)
 
 
 def scalars(out):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import BIN, PYTHON, ROOT, free_port, run, tiny_overrides
+from conftest import PYTHON, ROOT, run, tiny_overrides, torchrun
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoTokenizer
@@ -38,8 +38,7 @@ def test_real_vocabulary_grpo_on_two_ranks(tiny, tmp_path):
     assert tokenizer.decode([151935]) != ""  # the padded merges are real tokens too
 
     out = tmp_path / "run"
-    proc = run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
-                "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+    proc = run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, out), f"model.name_or_path={model}", "data.eval_file=null",
                 "grpo.max_steps=2", "grpo.per_device_train_batch_size=8", "checkpoint.save_steps=0",
                 # random weights score zero on the task: a reward with spread gives a gradient
