@@ -64,6 +64,12 @@ class VLLMGenerator:
             # does not use offset", vllm 0.32): prefill whole prompts (docs/upstream-issues.md).
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(4096, r.max_model_len or max_sequence_length(cfg))
+            # The engine runs eager on CPU (enforce_eager below), but vLLM torch.compiles one
+            # helper on every platform, the sampled tokens' ranks (batched_count_greater_than,
+            # with Inductor on CPU): 4 s at the first rollout of every process and 1 s again at
+            # each new batch size, for what runs eagerly in 2 ms. So nothing in this process is
+            # compiled (torch's own switch; megagrpo compiles nothing; docs/upstream-issues.md).
+            torch._dynamo.config.disable = True
         self.llm = LLM(
             model=model_path, dtype=cfg.model.dtype, seed=seed,
             distributed_executor_backend="external_launcher", tensor_parallel_size=r.tensor_parallel_size or 1,
