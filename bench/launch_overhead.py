@@ -3,7 +3,8 @@ each way of starting 2 ranks on this machine.
 
     python bench/launch_overhead.py [--tiny runs/tiny] [--repeats 1]
 
-  deepspeed   `deepspeed --num_gpus 2 --module megagrpo.train` (no script, the floor)
+  deepspeed   `deepspeed --num_gpus 2 --module megagrpo.train` (no script, the README's way)
+  torchrun    `torchrun --nproc_per_node 2 -m megagrpo.train` (how the suite's layout tests start ranks)
   local       launch/train.sh, one-host hostfile: hostfile check + config validation, then the
               deepspeed runner starts both ranks here
   pdsh        launch/train.sh over hostfiles/localhost_pair: ssh probe of both hosts, then
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
 import daemons  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
-LAUNCHERS = ["quickstart", "deepspeed", "local", "pdsh", "slurm", "mpirun"]
+LAUNCHERS = ["quickstart", "deepspeed", "torchrun", "local", "pdsh", "slurm", "mpirun"]
 
 
 def ensure_tiny(tiny):
@@ -117,6 +118,9 @@ def main():
                     cmd, env = [f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", port, "--module",
                                 "megagrpo.train", "--config", "configs/tiny_arith.yaml",
                                 *overrides(tiny, out, quickstart=name == "quickstart")], {}
+                elif name == "torchrun":
+                    cmd, env = [f"{BIN}/torchrun", "--nproc_per_node", "2", "--master_port", port, "-m",
+                                "megagrpo.train", "--config", "configs/tiny_arith.yaml", *overrides(tiny, out)], {}
                 elif name == "local":
                     cmd = ["bash", "launch/train.sh", *overrides(tiny, out)]
                     env = {"HOSTFILE": "hostfiles/localhost_2", "MASTER_PORT": port}

@@ -1,4 +1,5 @@
 """Shared fixtures: the tiny model and demo task, built once per session with the real tools."""
+import contextlib
 import json
 import os
 import re
@@ -7,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from megagrpo.cluster.distributed import free_port  # noqa: F401  (the tests import it from here)
@@ -39,7 +41,7 @@ def _check_marked(cmd) -> None:
 def run(cmd, timeout=600, env=None, check=True, cwd=ROOT):
     """Run a command from the repository root; return the CompletedProcess (text output).
 
-    The command gets its own session. On timeout every process in it (launcher, ranks, vLLM
+    The command gets its own session. On timeout every process of the job (launcher, ranks, vLLM
     workers) is sent SIGABRT first, so Python's faulthandler prints where each one hung, then
     killed; the error carries both outputs. Processes it leaves behind are killed as well.
     """
@@ -52,13 +54,14 @@ def run(cmd, timeout=600, env=None, check=True, cwd=ROOT):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _signal_session(proc.pid, signal.SIGABRT)
+        processes = job_processes(proc.pid)
+        signal_job(proc.pid, signal.SIGABRT, processes)
         time.sleep(5)
-        _signal_session(proc.pid, signal.SIGKILL)
+        signal_job(proc.pid, signal.SIGKILL, processes)
         out, err = proc.communicate()
         raise AssertionError(f"{cmd} did not finish within {timeout} s (stacks below, from SIGABRT)\n"
                              f"--- stdout\n{out[-6000:]}\n--- stderr\n{err[-12000:]}")
-    _signal_session(proc.pid, signal.SIGKILL)
+    signal_job(proc.pid, signal.SIGKILL, processes=[])  # its group's leftovers (the leader is reaped)
     _log_launch(cmd, time.time() - started)
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and result.returncode != 0:
@@ -78,12 +81,24 @@ def _log_launch(cmd, seconds: float) -> None:
                                 "seconds": round(seconds, 1)}) + "\n")
 
 
-def _signal_session(pid: int, sig: int) -> None:
-    """Signal the process group a `run` command leads (no-op once it is empty)."""
+def job_processes(pid: int) -> list:
+    """The process `pid` and every process below it now: torchrun starts each rank in a session
+    of its own, out of reach of a signal to the launcher's process group."""
     try:
+        leader = psutil.Process(pid)
+        return [leader, *leader.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_job(pid: int, sig: int, processes=None) -> None:
+    """Signal the process group `pid` leads and each of `processes` (default: job_processes(pid)
+    now); no-op for what has ended."""
+    for process in job_processes(pid) if processes is None else processes:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            process.send_signal(sig)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 @pytest.fixture(scope="session")

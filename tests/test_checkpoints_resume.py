@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import BIN, ROOT, run, tiny_overrides, torchrun
+from conftest import BIN, ROOT, run, signal_job, tiny_overrides, torchrun
 from safetensors.torch import load_file
 
 
@@ -67,7 +67,7 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
         latest = killed / "checkpoints" / "latest"
         _wait_for(lambda: latest.is_file() and latest.read_text() == "step_00000003", 600, proc)
         _wait_for(lambda: 4 in _prompts_by_step(killed), 120, proc)  # killed mid-run, past the save
-        os.killpg(proc.pid, signal.SIGKILL)
+        signal_job(proc.pid, signal.SIGKILL)  # the launcher and every rank, as a lost node
         proc.wait()
     assert not (killed / "hf").exists()
     resumed = run(_command(tiny, killed, extra))
