@@ -79,6 +79,8 @@ class VLLMGenerator:
             # multi-turn rollouts send each trajectory's growing prefix again every turn
             enforce_eager=not _on_gpu(), enable_prefix_caching=r.max_turns > 1,
             use_tqdm_on_load=on_terminal(), **kwargs)  # its loading bar, on a terminal only
+        if not _on_gpu():
+            self.llm.collective_rpc(_input_embeddings_skip_gemm_prepack)
         tied = bool(getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False))
         self.reload_warnings = _ExpectedReloadWarnings(tied)
         for name in (RELOAD_LOGGER, INPLACE_LOGGER):
@@ -177,6 +179,35 @@ def _refresh_tied_lm_head(worker) -> None:
     head = getattr(model, "lm_head", None)
     if getattr(model.config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
+
+
+def _input_embeddings_skip_gemm_prepack(worker) -> None:
+    """On CPU, vLLM prepares every vocabulary-sized embedding for a matmul when its weights load
+    (`process_weights_after_loading`: a oneDNN prepacked copy of the whole [vocab, hidden]
+    matrix), the input embedding too, which only looks rows up and never uses it. An in-place
+    sync reloads it, so every sync paid that again: at the Qwen2.5-0.5B shape 1.5 s of a 2.8 s
+    sync (bench/weight_sync.py), and the copy stayed in memory. The input embeddings keep
+    their weights and skip the prepack (the LM head, tied or not, keeps its own) where the
+    model has an LM head of its own."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    class LookupOnly(UnquantizedEmbeddingMethod):
+        def process_weights_after_loading(self, layer) -> None:
+            pass
+
+    model = worker.model_runner.get_model()
+    if not isinstance(getattr(model, "lm_head", None), ParallelLMHead):
+        return  # a model whose logits come from its input embedding (e.g. Gemma) needs the prepack
+    for layer in model.modules():
+        if (isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
+                and type(layer.quant_method) is UnquantizedEmbeddingMethod):
+            layer.quant_method = LookupOnly()
+            if hasattr(layer, "cpu_linear"):
+                del layer.cpu_linear  # the prepacked copy made at load time
 
 
 class HFGenerator:
