@@ -185,8 +185,8 @@ def _input_embeddings_skip_gemm_prepack(worker) -> None:
     """On CPU, vLLM prepares every vocabulary-sized embedding for a matmul when its weights load
     (`process_weights_after_loading`: a oneDNN prepacked copy of the whole [vocab, hidden]
     matrix), the input embedding too, which only looks rows up and never uses it. An in-place
-    sync reloads it, so every sync paid that again: at the Qwen2.5-0.5B shape 1.5 s of a 2.8 s
-    sync (bench/weight_sync.py), and the copy stayed in memory. The input embeddings keep
+    sync reloads it, so every sync paid that again (0.48 s of a 2.8 s sync on 2 ranks at the
+    Qwen2.5-0.5B shape cut to 4 layers; bench/weight_sync.py), and the copy stayed in memory. The input embeddings keep
     their weights and skip the prepack (the LM head, tied or not, keeps its own) where the
     model has an LM head of its own."""
     from vllm.model_executor.layers.vocab_parallel_embedding import (
