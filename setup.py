@@ -47,5 +47,7 @@ setup(
         # mpirun launches (launch/mpirun.sh): DeepSpeed finds ranks through mpi4py; needs OpenMPI
         "mpi": ["mpi4py>=4"],
     },
-    entry_points={"console_scripts": ["megagrpo=megagrpo.cli:run"]},
+    entry_points={"console_scripts": ["megagrpo=megagrpo.cli:run"],
+                  # every vLLM process (engine workers, `vllm serve`) gets the "gloo" weight transfer
+                  "vllm.general_plugins": ["megagrpo_weight_transfer=megagrpo.rollout.weight_transfer:register"]},
 )

