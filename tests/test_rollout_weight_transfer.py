@@ -1,8 +1,9 @@
 """Weight transfer to an engine apart from the trainer (megagrpo/rollout/weight_transfer.py): a
-real `vllm serve` of the tiny model started here with weight-transfer backend "gloo" (registered
-in its workers by megagrpo's vLLM plugin entry point), the trainer's weights sent twice through
-vLLM's trainer engine factory and the server's RL endpoints (tests/helpers/transfer_probe.py);
-after each update the server's log-probs equal the trainer's, and it names the version."""
+real `vllm serve` of the tiny model started here, sharded over 2 workers (tensor parallel), with
+weight-transfer backend "gloo" (registered in its workers by megagrpo's vLLM plugin entry
+point); the trainer's whole tensors sent twice through vLLM's trainer engine factory and the
+server's RL endpoints (tests/helpers/transfer_probe.py), each worker loading its shard. After
+each update the server's log-probs equal the trainer's, and it names the version."""
 import json
 import os
 import sys
@@ -13,8 +14,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 import daemons  # noqa: E402
 
 
-def test_weights_sent_to_a_vllm_server_over_gloo(tiny, tmp_path):
-    with daemons.vllm_server(tiny["warm"], tmp_path, "--weight-transfer-config", '{"backend": "gloo"}') as url:
+def test_weights_sent_to_a_sharded_vllm_server_over_gloo(tiny, tmp_path):
+    with daemons.vllm_server(tiny["warm"], tmp_path, "--weight-transfer-config", '{"backend": "gloo"}',
+                             "--tensor-parallel-size", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as url:
         proc = run([PYTHON, "tests/helpers/transfer_probe.py", "--url", url, "--model", tiny["warm"]], timeout=300)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["before"] < 1e-4, result  # the server and the trainer start from the same weights

@@ -161,10 +161,11 @@ def slurm_cluster(folder, cpus: int = 2):
 
 
 @contextlib.contextmanager
-def vllm_server(model: str, folder, *args: str, timeout: float = 300):
+def vllm_server(model: str, folder, *args: str, timeout: float = 300, env: dict | None = None):
     """`vllm serve model` on 127.0.0.1 (a free port; CPU settings: eager, float32, a 256 MiB KV
     cache), with vLLM's RL endpoints (VLLM_SERVER_DEV_MODE=1: pause/resume, weight transfer);
-    its log in folder/vllm_serve.log. Yields its URL once /health answers."""
+    its log in folder/vllm_serve.log. Yields its URL once /health answers. On CPU a server with
+    tensor parallelism needs its workers' cores named: env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}."""
     import sys
     import urllib.request
     port = free_port()
@@ -174,9 +175,12 @@ def vllm_server(model: str, folder, *args: str, timeout: float = 300):
     # (it asks for the version of a distribution named "vllm"; docs/upstream-issues.md)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-           "--kv-cache-memory-bytes", str(256 * 2**20), *args]
+           "--kv-cache-memory-bytes", str(256 * 2**20),
+           # vLLM's default of 0 s force-kills its workers at shutdown, and a CPU tp worker killed
+           # so leaves its shared memory in /dev/shm (docs/upstream-issues.md)
+           "--shutdown-timeout", "20", *args]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=out,
+        proc = subprocess.Popen(cmd, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -195,5 +199,10 @@ def vllm_server(model: str, folder, *args: str, timeout: float = 300):
         yield url
     finally:
         _stop([proc], "vllm serve")
-        with contextlib.suppress(ProcessLookupError):  # its engine process, if it outlived the server
+        # its engine and worker processes end after it (killed if they outlive it by 30 s)
+        deadline = time.time() + 30
+        with contextlib.suppress(ProcessLookupError):
+            while time.time() < deadline:
+                os.killpg(proc.pid, 0)
+                time.sleep(0.2)
             os.killpg(proc.pid, 9)
