@@ -8,12 +8,14 @@ import json
 import os
 import sys
 
+import pytest
 from conftest import PYTHON, run
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 import daemons  # noqa: E402
 
 
+@pytest.mark.daemons
 def test_weights_sent_to_a_sharded_vllm_server_over_gloo(tiny, tmp_path):
     with daemons.vllm_server(tiny["warm"], tmp_path, "--weight-transfer-config", '{"backend": "gloo"}',
                              "--tensor-parallel-size", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as url:

@@ -10,7 +10,8 @@ the NCCL engine's protocol over a gloo group made apart from any job's world (vL
 `stateless_init_torch_distributed_process_group`), the trainer's sender at rank 0 and the
 engine's workers after it. So CPU and GPU take the same code path apart from the transport.
 
-    # the engine (any process: registered in vLLM's workers by megagrpo's vLLM plugin, setup.py)
+    # the engine (any process: registered in vLLM's workers by megagrpo's vLLM plugin, setup.py);
+    # on the CPU stack `python -m vllm.entrypoints.openai.api_server --model MODEL` (upstream-issues.md)
     vllm serve MODEL --weight-transfer-config '{"backend": "gloo"}'     # VLLM_SERVER_DEV_MODE=1
     # the trainer
     sender = GlooTrainerWeightTransferEngine.trainer_init(
