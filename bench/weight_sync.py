@@ -78,21 +78,20 @@ def measure(path: str, repeats: int, topology, overrides: list[str]) -> dict:
         for dst, (_, src) in zip(targets, whole):
             dst.copy_(src)
 
-    def as_upstream():
+    def as_upstream() -> float:
         engine.llm.collective_rpc(prepack_input_embeddings)
         try:
             return timed(lambda: engine.load_weights(iter(whole)))
         finally:
             engine.llm.collective_rpc(_input_embeddings_skip_gemm_prepack)
 
-    rows = {"memcpy": memcpy, "gather": lambda: [None for _ in policy.full_tensors()],
-            "vllm load": lambda: engine.load_weights(iter(whole)), "vllm load, as upstream": as_upstream,
-            "sync": lambda: sync_weights(policy.full_tensors(), engine)}
+    rows = {"memcpy": lambda: timed(memcpy), "gather": lambda: timed(lambda: [None for _ in policy.full_tensors()]),
+            "vllm load": lambda: timed(lambda: engine.load_weights(iter(whole))), "vllm load, as upstream": as_upstream,
+            "sync": lambda: timed(lambda: sync_weights(policy.full_tensors(), engine))}  # each: its seconds
     best = {name: float("inf") for name in rows}
     for _ in range(repeats):
-        for name, fn in rows.items():
-            seconds = fn() if name == "vllm load, as upstream" else timed(fn)
-            best[name] = min(best[name], seconds)
+        for name, seconds in rows.items():
+            best[name] = min(best[name], seconds())
     split = reload_split(engine, whole) if not torch.cuda.is_available() else {}
     return {"model": path, "ranks": topology.world_size, "overrides": overrides, "bytes": nbytes,
             "rows": {name: {"seconds": s, "gb_per_s": nbytes / s / 1e9, "x_memcpy": s / best["memcpy"]}

@@ -16,22 +16,10 @@ import subprocess
 import sys
 import time
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
 import daemons  # noqa: E402
-
-
-def memcpy_seconds(nbytes: int, repeats: int = 3) -> float:
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return best
+from real_shape_run import memcpy_gbps  # noqa: E402
 
 
 def main():
@@ -48,8 +36,8 @@ def main():
     if probe.returncode != 0:
         sys.exit(f"the probe failed:\n{probe.stderr[-3000:]}")
     result = json.loads(probe.stdout.strip().splitlines()[-1])
-    nbytes = round(result["updates"][0]["gb_per_s"] * result["updates"][0]["seconds"] * 1e9)
-    copy = memcpy_seconds(nbytes)
+    nbytes = result["bytes"]
+    copy = nbytes / memcpy_gbps(nbytes) / 1e9
     print(f"\n{args.model}: {nbytes / 2**20:.0f} MiB; vllm serve up in {server_s:.1f} s")
     print(f"{'':<22}{'seconds':>9}{'GB/s':>8}{'x memcpy':>10}{'log-prob gap':>14}")
     print(f"{'memcpy':<22}{copy:>9.3f}{nbytes / copy / 1e9:>8.2f}{1.0:>10.1f}")

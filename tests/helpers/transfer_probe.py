@@ -61,7 +61,7 @@ def main():
     sender = WeightTransferTrainerFactory.trainer_init(
         GlooTrainerInitInfo("127.0.0.1", free_port(), world_size=1 + workers, rank=0),
         client=HTTPVLLMWeightSyncClient(args.url), source=ModuleSource(model))
-    nbytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    nbytes = result["bytes"] = sum(t.numel() * t.element_size() for t in model.parameters())
     for version in ("1", "2"):
         before = [model_logprobs(model, ids) for ids in prompts]
         generator = torch.Generator().manual_seed(int(version))
