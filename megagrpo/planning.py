@@ -28,6 +28,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from typing import Optional
+from urllib.parse import urlparse
 
 import torch
 
@@ -103,7 +104,7 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
         "optimizer": trained * optim_b // (dp if stage >= 1 else 1),
         "reference": (local * weight_b // (dp if stage >= 3 else 1)) if cfg.grpo.kl_coef > 0 and not lora else 0,
         # vLLM's share: its tp group splits every layer, the embedding and the head by vocabulary
-        "rollout_weights": -(-total * weight_b // cfg.rollout.tensor_parallel_size),
+        "rollout_weights": 0 if cfg.rollout.servers else -(-total * weight_b // cfg.rollout.tensor_parallel_size),
     }
     layout = Topology(world_size, 0, 0, tp, pp)
     ranks = [(r, place.dp_rank, place.tp_rank, place.pp_rank) for r in range(world_size)
@@ -176,6 +177,8 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int) -> dict:
     }
     if device == "cuda" and r.sleep:  # vLLM's weights and KV cache leave the GPU while it trains
         peak["rollout"] = max(0, peak["rollout"] - peak["activations"] - head)
+    if r.servers:  # generation runs in the servers' memory, not the ranks'
+        peak["rollout"] = 0
     return peak
 
 
@@ -276,6 +279,9 @@ def check_generator_layout(cfg: Config, world: Optional[str]) -> None:
     vLLM's external launcher forms its tp groups from consecutive ranks, so a generator group
     lies inside one trainer tp group or spans whole ones (docs/parallelism.md)."""
     r, tp, pp = cfg.rollout, cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    if r.servers:
+        check_servers(cfg)
+        return
     if r.tensor_parallel_size is None:
         r.tensor_parallel_size = tp if pp == 1 and r.engine == "vllm" else 1
     t = r.tensor_parallel_size
@@ -301,6 +307,22 @@ def check_generator_layout(cfg: Config, world: Optional[str]) -> None:
                 f"{key} does not divide the model's {heads} attention heads; use a divisor of {heads}")
         require(kv_heads is None or kv_heads % t == 0 or t % kv_heads == 0,
                 f"{key} and the model's {kv_heads} key-value heads: one must divide the other")
+
+
+def check_servers(cfg: Config) -> None:
+    """rollout.servers: URLs, and no engine of the job's own to lay out (rollout/servers.py)."""
+    r = cfg.rollout
+    for i, url in enumerate(r.servers):
+        parsed = urlparse(str(url))
+        require(parsed.scheme in ("http", "https") and parsed.hostname,
+                f"rollout.servers[{i}]: '{url}' is not a server URL; write http://HOST:PORT (e.g. http://node7:8000)")
+    require(r.engine == "vllm", "rollout.servers are vLLM servers: remove rollout.engine=hf (or the servers)")
+    require(r.tensor_parallel_size in (None, 1), f"rollout.tensor_parallel_size={r.tensor_parallel_size} lays out "
+            "an engine inside the job, and rollout.servers generate instead: shard a server with its own "
+            "--tensor-parallel-size, and leave this key out")
+    r.tensor_parallel_size = 1
+    require(r.server_timeout_s > 0, f"rollout.server_timeout_s={r.server_timeout_s} must be > 0")
+    require(r.server_retries >= 0, f"rollout.server_retries={r.server_retries} must be >= 0")
 
 
 def _gib(n: int) -> str:

@@ -58,8 +58,10 @@ class RolloutStack:
         return texts, compute_rewards(self.reward_functions, [p.prompt for p in prompts], texts, fields)
 
     def close(self) -> None:
-        """Release the reward functions' and tools' workers (sandboxes)."""
+        """Release the reward functions' and tools' workers (sandboxes), and the servers' transfer group."""
         close_reward_functions(self.reward_functions)
+        if hasattr(self.generator, "close"):
+            self.generator.close()
         if self.toolset:
             self.toolset.close()
 

@@ -218,6 +218,17 @@ class RolloutConfig:
 
     engine: Literal["vllm", "hf"] = "vllm"
     """vllm: a vLLM engine inside each training process; hf: transformers generate."""
+    servers: list = field(default_factory=list)
+    """URLs of `vllm serve` processes started apart from the job (e.g. [http://node7:8000]):
+    they generate instead of an engine in each training process, and take the new weights
+    from rank 0 after every step (vLLM's weight-transfer API). Start each with
+    VLLM_SERVER_DEV_MODE=1, --weight-transfer-config '{"backend": "gloo"}' and
+    --logprobs-mode processed_logprobs (docs/async.md)."""
+    server_timeout_s: float = 300.0
+    """rollout.servers: how long one request (and the wait for a server to start) may take."""
+    server_retries: int = 3
+    """rollout.servers: a request that gets no answer (or a 5xx) is tried this many more
+    times; then the job stops, naming the server."""
     tensor_parallel_size: Optional[int] = None
     """vLLM tensor parallelism: each group of this many consecutive ranks holds one engine
     sharded between them (1/t of the weights and KV cache per rank), all of them sampling.

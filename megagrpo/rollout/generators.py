@@ -296,5 +296,9 @@ class HFGenerator:
 
 
 def build_generator(cfg: Config, seed: int):
+    """The generator of rollout.engine, or the servers of rollout.servers (rollout/servers.py)."""
+    if cfg.rollout.servers:
+        from megagrpo.rollout.servers import ServerGenerator
+        return ServerGenerator(cfg, cfg.rollout.servers)
     generator_class = {"vllm": VLLMGenerator, "hf": HFGenerator}[cfg.rollout.engine]
     return generator_class(cfg, cfg.model.name_or_path, seed)

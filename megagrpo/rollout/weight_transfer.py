@@ -25,9 +25,11 @@ layerwise reload (as the co-located sync's `reload_weights`).
 from __future__ import annotations
 
 import datetime
+import json
+import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from typing import ClassVar
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Iterable
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -45,8 +47,16 @@ def connect(address: str, port: int, rank: int, world_size: int, timeout_s: floa
     """The transfer group: a gloo process group of its own (not registered with
     torch.distributed, so its collectives are called on the group object)."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-    return stateless_init_torch_distributed_process_group(
-        address, port, rank, world_size, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    # Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) torch's rendezvous makes every rank a
+    # client of the launcher's store; this group's rank 0 must host a store of its own.
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        return stateless_init_torch_distributed_process_group(
+            address, port, rank, world_size, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    finally:
+        if agent_store is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
 
 
 @dataclass
@@ -61,10 +71,32 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """The tensors of one update, in the order they are broadcast."""
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
+    """The tensors of one update, in the order they are broadcast; or `streamed`: each tensor
+    is preceded by a header naming it (send_stream), and an empty header ends the update."""
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    streamed: bool = False
+
+
+def send_header(group, name: str = "", dtype: torch.dtype | None = None, shape=()) -> None:
+    """One tensor's name, dtype and shape, from the sender (no name: the end of the update)."""
+    text = json.dumps([name, str(dtype).removeprefix("torch."), list(shape)]).encode() if name else b""
+    group.broadcast(torch.tensor([len(text)], dtype=torch.int64), 0).wait()
+    if text:
+        group.broadcast(torch.frombuffer(bytearray(text), dtype=torch.uint8), 0).wait()
+
+
+def receive_header(group) -> tuple[str, torch.dtype, list[int]] | None:
+    """The next header of a streamed update, or None at its end."""
+    length = torch.zeros(1, dtype=torch.int64)
+    group.broadcast(length, 0).wait()
+    if not length.item():
+        return None
+    text = torch.empty(int(length.item()), dtype=torch.uint8)
+    group.broadcast(text, 0).wait()
+    name, dtype_name, shape = json.loads(bytes(text.tolist()).decode())
+    return name, getattr(torch, dtype_name), shape
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
@@ -94,8 +126,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("gloo weight transfer: init_weight_transfer_engine was not called")
-        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
+        headers = iter(lambda: receive_header(self.group), None) if update_info.streamed else (
+            (name, getattr(torch, dtype_name), shape)
+            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes))
+        for name, dtype, shape in headers:
+            tensor = torch.empty(shape, dtype=dtype)
             self.group.broadcast(tensor, 0).wait()
             self.model.load_weights([(name, tensor.to(self.device))])
 
@@ -134,8 +169,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
-        if source is None:
-            raise ValueError("gloo weight transfer needs a WeightSource (the trainer's weights)")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         if engine.is_sender:
             workers = GlooWeightTransferInitInfo(init_info.master_address, init_info.master_port, rank_offset=1,
@@ -148,25 +181,52 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         return engine
 
     def send_weights(self, weight_version: str | None = None) -> None:
-        """One update of every tensor of the source; weight_version names it in the engine."""
+        """One update of every tensor of the source (their names and shapes sent ahead, as
+        vLLM's NCCL engine does); weight_version names it in the engine."""
+        if self.source is None:
+            raise ValueError("gloo weight transfer: send_weights needs the engine made with a WeightSource "
+                             "(or send a stream with send_stream)")
         meta = self.source.metadata()
         if not self.is_sender:
             for _ in self.source:
                 pass
             return
-        update = GlooWeightTransferUpdateInfo(names=[m.name for m in meta],
-                                              dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
-                                              shapes=[list(m.shape) for m in meta])
-        self.client.start_weight_update()
-        side = ThreadPoolExecutor(max_workers=1)
-        try:
-            received = side.submit(self.client.update_weights, asdict(update))
+
+        def broadcast_all():
             for (name, tensor), expected in zip(self.source, meta, strict=True):
                 if name != expected.name or tuple(tensor.shape) != expected.shape or tensor.dtype != expected.dtype:
                     raise ValueError(f"gloo weight transfer: the source yielded {name} {tuple(tensor.shape)} "
                                      f"{tensor.dtype} where its metadata says {expected.name} {expected.shape} "
                                      f"{expected.dtype}")
                 self.group.broadcast(tensor.detach().contiguous().cpu(), 0).wait()
+        self._update(GlooWeightTransferUpdateInfo(names=[m.name for m in meta],
+                                                  dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+                                                  shapes=[list(m.shape) for m in meta]), broadcast_all, weight_version)
+
+    def send_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> None:
+        """One update from a stream of (name, whole tensor) whose names and shapes are not known
+        ahead (the trainer's gathered buckets, or the changed layers only): each tensor goes
+        with a header. Every trainer rank calls it (the stream's gathers are collective)."""
+        if not self.is_sender:
+            for _ in named_tensors:
+                pass
+            return
+
+        def broadcast_all():
+            for name, tensor in named_tensors:
+                send_header(self.group, name, tensor.dtype, tensor.shape)
+                self.group.broadcast(tensor.detach().contiguous().cpu(), 0).wait()
+            send_header(self.group)
+        self._update(GlooWeightTransferUpdateInfo(streamed=True), broadcast_all, weight_version)
+
+    def _update(self, update: GlooWeightTransferUpdateInfo, broadcast_all, weight_version: str | None) -> None:
+        """vLLM's handshake around the broadcasts: the engine's update_weights call runs on a side
+        thread (it returns once the engine has received every tensor)."""
+        self.client.start_weight_update()
+        side = ThreadPoolExecutor(max_workers=1)
+        try:
+            received = side.submit(self.client.update_weights, asdict(update))
+            broadcast_all()
             received.result()
         finally:
             side.shutdown(wait=False)  # after a failed broadcast the engine never returns

@@ -1,0 +1,111 @@
+"""Generation by an external `vllm serve` (rollout.servers; megagrpo/rollout/servers.py): a real
+server of the tiny model started here, 2 trainer ranks (ZeRO-3) through torchrun sending it
+their prompts and, from rank 0, their weights after every step (vLLM's weight-transfer API, the
+gloo backend). At staleness 0 the run equals the co-located 2-rank run on the same seeds: the
+same completions, so the same losses, held-out scores and parameters. A server that dies
+mid-run stops the job, naming its URL, with the last checkpoint intact."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import requests
+import torch
+from conftest import ROOT, run, tiny_overrides, torchrun
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
+import daemons  # noqa: E402
+
+COMMON = ["grpo.max_steps=3", "grpo.per_device_train_batch_size=16", "logging.sample_steps=0",
+          "checkpoint.save_steps=0"]
+# as the co-located engine samples: the trainer's log-probs (processed), prompts prefilled whole
+SERVER_ARGS = ("--weight-transfer-config", '{"backend": "gloo"}', "--logprobs-mode", "processed_logprobs",
+               "--no-enable-chunked-prefill")
+
+
+def _scalars(out, tag):
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    return [e.value for e in acc.Scalars(tag)]
+
+
+def _server_process(url: str) -> psutil.Process:
+    port = url.rsplit(":", 1)[1]
+    return next(p for p in psutil.process_iter(["cmdline"])
+                if "api_server" in " ".join(p.info["cmdline"] or []) and port in (p.info["cmdline"] or []))
+
+
+@pytest.mark.daemons
+@pytest.mark.multirank
+def test_server_run_equals_colocated_and_a_dead_server_stops_the_job(tiny, tmp_path):
+    colocated, served = tmp_path / "colocated", tmp_path / "served"
+    run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
+         *tiny_overrides(tiny, colocated), *COMMON], timeout=600)
+    with daemons.vllm_server(tiny["warm"], tmp_path, *SERVER_ARGS) as url:
+        proc = run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
+                    *tiny_overrides(tiny, served), *COMMON, f"rollout.servers=[{url}]"], timeout=600)
+        # the start-up sync and one per step, each named by its number
+        assert requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == "4"
+
+        # equal to the co-located run: the same completions, token for token
+        expected, got = _scalars(colocated, "train/loss"), _scalars(served, "train/loss")
+        assert len(got) == 3 and max(abs(a - b) for a, b in zip(expected, got)) < 1e-6, (expected, got)
+        assert _scalars(served, "train/completions/mean_length") == _scalars(colocated, "train/completions/mean_length")
+        assert json.load(open(served / "eval_results.json")) == json.load(open(colocated / "eval_results.json"))
+        a = load_file(str(colocated / "hf" / "model.safetensors"))
+        b = load_file(str(served / "hf" / "model.safetensors"))
+        start = load_file(os.path.join(tiny["warm"], "model.safetensors"))
+        assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-4  # training moved them
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
+        assert "vLLM server" not in proc.stderr
+
+        # the server dies mid-run: the job stops naming it; the checkpoint before is intact
+        dying = tmp_path / "dying"
+        job = subprocess.Popen(
+            [*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
+             *tiny_overrides(tiny, dying), "grpo.max_steps=40", "checkpoint.save_steps=1", "data.eval_file=null",
+             f"rollout.servers=[{url}]", "rollout.server_timeout_s=5", "rollout.server_retries=1"],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True)
+        try:
+            deadline = time.time() + 300
+            while not (dying / "checkpoints" / "step_00000001").exists():
+                assert job.poll() is None and time.time() < deadline, job.communicate()[0][-3000:]
+                time.sleep(0.5)
+            server = _server_process(url)
+            for process in [server, *server.children(recursive=True)]:
+                process.send_signal(signal.SIGKILL)
+            killed = time.time()
+            out, _ = job.communicate(timeout=120)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0 and time.time() - killed < 60, out[-3000:]
+    assert f"vLLM server {url}" in out, out[-3000:]
+    saved = sorted(p.name for p in (dying / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert saved and (dying / "checkpoints" / saved[-1] / "COMPLETE").exists(), saved
+
+
+def test_server_settings_refused_with_the_fix(tiny, tmp_path):
+    from megagrpo.config.schema import ConfigError
+    from megagrpo.validation import load_config
+
+    base = tiny_overrides(tiny, tmp_path)
+    cfg = load_config("configs/tiny_arith.yaml", base + ["rollout.servers=[http://node7:8000]"])
+    assert cfg.rollout.servers == ["http://node7:8000"] and cfg.rollout.tensor_parallel_size == 1
+    for bad, message in [
+            ("rollout.servers=[node7:8000]", r"rollout.servers\[0\]: 'node7:8000' is not a server URL; write "
+                                             r"http://HOST:PORT"),
+            ("rollout.engine=hf", r"rollout.servers are vLLM servers: remove rollout.engine=hf"),
+            ("rollout.tensor_parallel_size=2", r"shard a server with its own --tensor-parallel-size"),
+            ("rollout.server_retries=-1", r"rollout.server_retries=-1 must be >= 0")]:
+        extra = [bad] if bad.startswith("rollout.servers") else ["rollout.servers=[http://node7:8000]", bad]
+        with pytest.raises(ConfigError, match=message):
+            load_config("configs/tiny_arith.yaml", base + extra)
