@@ -279,6 +279,13 @@ def check_generator_layout(cfg: Config, world: Optional[str]) -> None:
     vLLM's external launcher forms its tp groups from consecutive ranks, so a generator group
     lies inside one trainer tp group or spans whole ones (docs/parallelism.md)."""
     r, tp, pp = cfg.rollout, cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    require(r.max_staleness >= 0, f"rollout.max_staleness={r.max_staleness} must be >= 0")
+    if r.max_staleness:
+        require(bool(r.servers), f"rollout.max_staleness={r.max_staleness} samples ahead on rollout.servers (an "
+                "engine inside the job samples between the steps): set rollout.servers, or leave it 0")
+        require(not cfg.grpo.dynamic_sampling, f"rollout.max_staleness={r.max_staleness} with "
+                "grpo.dynamic_sampling: the rounds of a step depend on its rewards, so they cannot be sampled "
+                "ahead; use one or the other")
     if r.servers:
         check_servers(cfg)
         return

@@ -42,6 +42,7 @@ from megagrpo.policy.batch import make_batch
 from megagrpo.process_exit import exit_without_teardown
 from megagrpo.rewards import RewardError, component_metrics
 from megagrpo.rollout.agent import agent_metrics
+from megagrpo.rollout.ahead import RolloutsAhead
 from megagrpo.rollout.generator_group import GeneratorGroup
 from megagrpo.rollout.generators import sampling_seed
 from megagrpo.rollout.groups import SampledGroups, sample_informative_groups
@@ -82,6 +83,9 @@ class Trainer:
         self.stack.start_generator(seed=g.seed + topology.generator_ranks()[0],
                                    run_once=self.generator_group.run_once)
         self.generator = self.stack.generator
+        # rollout.max_staleness: the next steps' batches sampled while this one trains (rollout/ahead.py)
+        self.ahead = RolloutsAhead(self.sampler.next_indices, self.sample_ahead, cfg.rollout.max_staleness,
+                                   self.total_steps) if cfg.rollout.max_staleness else None
         startup.lap("generator")
         self.metrics = MetricsLogger(cfg.output_dir, cfg.logging, topology.is_main, to_dict(cfg))
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
@@ -128,6 +132,8 @@ class Trainer:
             self.export()
         if self.topo.is_main and results:
             evaluation.write_results(cfg.output_dir, results)
+        if self.ahead is not None:
+            self.ahead.close()
         self.stack.close()
         self.metrics.close()
         self.log(f"done: {self.step} steps. {self.metrics.how_to_watch()}")
@@ -178,7 +184,12 @@ class Trainer:
             self.policy.mix_reference(g.ref_model_mixup_alpha)
         clock.lap("train")
 
+        if self.ahead is not None:
+            self.ahead.settle()  # a batch is sampled with one version of the weights
+            clock.lap("rollout_ahead")
         self.sync_generator_weights()
+        if self.ahead is not None:
+            self.ahead.version = self.step + 1
         clock.lap("weight_sync")
         if self.topo.is_main and self.cfg.logging.sample_steps and (self.step + 1) % self.cfg.logging.sample_steps == 0:
             shown = sampled.texts if self.stack.agent is None else [  # whole trajectories: turns and tool results
@@ -191,6 +202,8 @@ class Trainer:
                                        sum(clock.seconds.values()), self.topo.dp_group))
         metrics.update(component_metrics(rewards, self.topo.dp_group))
         metrics.update(sampled.metrics)
+        if self.ahead is not None:
+            metrics.update(self.ahead.metrics())
         if self.stack.agent is not None:
             metrics.update(agent_metrics(completions, self.stack.agent.tool_wall_seconds, self.topo.dp_group))
         metrics.update(clock.metrics())
@@ -199,11 +212,16 @@ class Trainer:
     def sample_groups(self, sampling_round: int, clock: PhaseClock) -> SampledGroups:
         """The next prompts of this rank, their groups sampled and scored."""
         g = self.cfg.grpo
-        indices = self.sampler.next_indices()
+        if self.ahead is not None:  # sampled on the side thread, while an earlier step trained
+            batch = self.ahead.take(self.step)
+            indices, groups = batch.indices, self.share_rollout(batch.groups)
+        else:
+            indices = self.sampler.next_indices()
         record_prompts(self.cfg.output_dir, self.step + 1, indices, sampling_round, self.topo)
         prompts = [self.prompts[i] for i in indices]
-        groups = self.generate(prompts, n=g.num_generations,
-                               seeds=[sampling_seed(g.seed, self.step, i, sampling_round) for i in indices])
+        if self.ahead is None:
+            groups = self.generate(prompts, n=g.num_generations,
+                                   seeds=[sampling_seed(g.seed, self.step, i, sampling_round) for i in indices])
         completions = [c for group in groups for c in group]
         prompt_of = [p for p in prompts for _ in range(g.num_generations)]
         clock.lap("rollout" if sampling_round == 0 else "resampling")
@@ -219,12 +237,25 @@ class Trainer:
         if self.topo.generates:
             groups = self.generator_group.generate(self.stack, prompts, n, seeds, greedy)
         self.generator.sleep()  # (on GPU; an engine that did not sample frees its memory too)
+        return self.share_rollout(groups)
+
+    def share_rollout(self, groups):
+        """The completions of the model group's sampling rank, on every rank of the group."""
         if self.topo.shares_rollout:
             box = [groups]
             torch.distributed.broadcast_object_list(box, src=self.topo.model_group_source,
                                                     group=self.topo.model_group)
             groups = box[0]
         return groups
+
+    def sample_ahead(self, step: int, indices: list[int]):
+        """A later step's groups, on the side thread of RolloutsAhead (no collectives: the
+        servers sample, and only a model group's sampling rank asks them)."""
+        g = self.cfg.grpo
+        if not self.topo.generates:
+            return None
+        return self.stack.generate([self.prompts[i] for i in indices], n=g.num_generations,
+                                   seeds=[sampling_seed(g.seed, step, i, 0) for i in indices])
 
     def sync_generator_weights(self) -> float:
         """Stream the policy's weights into the generator of every rank that receives them
@@ -264,13 +295,16 @@ class Trainer:
         if state is not None:
             self.step = state["step"]
             self.sampler.load_state_dict(state["sampler"])
+            ahead = checkpoint.load_rollouts_ahead(state, self.topo.rank, self.cfg.rollout.max_staleness)
+            if self.ahead is not None:
+                self.ahead.load_state(ahead, self.step)
             if self.cfg.grpo.sync_ref_model:
                 self.policy.load_reference_state(checkpoint.load_reference(state, self.topo.rank))
 
     def save(self) -> None:
         reference = self.policy.reference_state() if self.cfg.grpo.sync_ref_model else None
         path = checkpoint.save(self.policy, self.ckpt_root, self.trainer_state(), self.cfg.checkpoint.keep_last,
-                               self.topo, reference)
+                               self.topo, reference, self.ahead.state() if self.ahead is not None else None)
         self.log(f"checkpoint saved: {path}")
 
     def export(self) -> None:

@@ -41,52 +41,97 @@ def _server_process(url: str) -> psutil.Process:
                 if "api_server" in " ".join(p.info["cmdline"] or []) and port in (p.info["cmdline"] or []))
 
 
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    """One `vllm serve` of the tiny model for the module's runs (each job puts its own weights in
+    at start-up)."""
+    with daemons.vllm_server(tiny["warm"], tmp_path_factory.mktemp("server"), *SERVER_ARGS) as url:
+        yield url
+
+
+def _train(tiny, out, *overrides):
+    return run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
+                *tiny_overrides(tiny, out), *COMMON, *overrides], timeout=600)
+
+
+def _metrics(out, key):
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return [row[key] for row in rows if key in row]
+
+
 @pytest.mark.daemons
 @pytest.mark.multirank
-def test_server_run_equals_colocated_and_a_dead_server_stops_the_job(tiny, tmp_path):
+def test_sampled_ahead_with_staleness_bounded_and_resumed_exactly(tiny, tmp_path, server):
+    """rollout.max_staleness=1: the batch of step t+1 is sampled while step t trains. Every batch
+    after the first is one step old (never more), and a run resumed from its step-2 checkpoint
+    (which holds the batch sampled for step 3) trains on the same tokens as the run that went on."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    ahead = ["rollout.max_staleness=1", f"rollout.servers=[{server}]", "grpo.max_steps=4", "data.eval_file=null",
+             "grpo.importance_sampling_correction=token_truncate"]
+    _train(tiny, whole, *ahead, "checkpoint.save_steps=2")
+    assert _metrics(whole, "train/rollout/staleness") == [0, 1, 1, 1]
+    assert max(_metrics(whole, "train/rollout/staleness_max")) == 1
+    checkpoint = whole / "checkpoints" / "step_00000002"
+    assert sorted(p.name for p in checkpoint.glob("rollouts_ahead_rank*.pt")) == [
+        "rollouts_ahead_rank0.pt", "rollouts_ahead_rank1.pt"]
+    _train(tiny, resumed, *ahead, "checkpoint.save_steps=0", f"checkpoint.resume={checkpoint}")
+    assert _scalars(resumed, "train/loss") == _scalars(whole, "train/loss")[2:]
+    assert _metrics(resumed, "train/rollout/staleness") == [1, 1]
+    a, b = load_file(str(whole / "hf" / "model.safetensors")), load_file(str(resumed / "hf" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    seen = [json.loads(line)["prompts"] for line in open(whole / "prompts_seen.jsonl")]
+    assert [json.loads(line)["prompts"] for line in open(resumed / "prompts_seen.jsonl")] == seen[2:]
+    # the same checkpoint resumed without sampling ahead is refused (its sampler is past the saved batch)
+    refused = run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
+                   *tiny_overrides(tiny, tmp_path / "refused"), *COMMON, f"rollout.servers=[{server}]",
+                   "grpo.max_steps=4", f"checkpoint.resume={checkpoint}"], check=False, timeout=600)
+    assert refused.returncode != 0 and "resume it with rollout.max_staleness > 0" in refused.stderr
+
+
+@pytest.mark.daemons
+@pytest.mark.multirank
+def test_server_run_equals_colocated_and_a_dead_server_stops_the_job(tiny, tmp_path, server):
     colocated, served = tmp_path / "colocated", tmp_path / "served"
-    run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
-         *tiny_overrides(tiny, colocated), *COMMON], timeout=600)
-    with daemons.vllm_server(tiny["warm"], tmp_path, *SERVER_ARGS) as url:
-        proc = run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
-                    *tiny_overrides(tiny, served), *COMMON, f"rollout.servers=[{url}]"], timeout=600)
-        # the start-up sync and one per step, each named by its number
-        assert requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == "4"
+    _train(tiny, colocated)
+    url = server
+    proc = _train(tiny, served, f"rollout.servers=[{url}]")
+    # the start-up sync and one per step, each named by its number
+    assert requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == "4"
 
-        # equal to the co-located run: the same completions, token for token
-        expected, got = _scalars(colocated, "train/loss"), _scalars(served, "train/loss")
-        assert len(got) == 3 and max(abs(a - b) for a, b in zip(expected, got)) < 1e-6, (expected, got)
-        assert _scalars(served, "train/completions/mean_length") == _scalars(colocated, "train/completions/mean_length")
-        assert json.load(open(served / "eval_results.json")) == json.load(open(colocated / "eval_results.json"))
-        a = load_file(str(colocated / "hf" / "model.safetensors"))
-        b = load_file(str(served / "hf" / "model.safetensors"))
-        start = load_file(os.path.join(tiny["warm"], "model.safetensors"))
-        assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-4  # training moved them
-        for name in a:
-            torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
-        assert "vLLM server" not in proc.stderr
+    # equal to the co-located run: the same completions, token for token
+    expected, got = _scalars(colocated, "train/loss"), _scalars(served, "train/loss")
+    assert len(got) == 3 and max(abs(a - b) for a, b in zip(expected, got)) < 1e-6, (expected, got)
+    assert _scalars(served, "train/completions/mean_length") == _scalars(colocated, "train/completions/mean_length")
+    assert json.load(open(served / "eval_results.json")) == json.load(open(colocated / "eval_results.json"))
+    a = load_file(str(colocated / "hf" / "model.safetensors"))
+    b = load_file(str(served / "hf" / "model.safetensors"))
+    start = load_file(os.path.join(tiny["warm"], "model.safetensors"))
+    assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-4  # training moved them
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
+    assert "vLLM server" not in proc.stderr
 
-        # the server dies mid-run: the job stops naming it; the checkpoint before is intact
-        dying = tmp_path / "dying"
-        job = subprocess.Popen(
-            [*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
-             *tiny_overrides(tiny, dying), "grpo.max_steps=40", "checkpoint.save_steps=1", "data.eval_file=null",
-             f"rollout.servers=[{url}]", "rollout.server_timeout_s=5", "rollout.server_retries=1"],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True)
-        try:
-            deadline = time.time() + 300
-            while not (dying / "checkpoints" / "step_00000001").exists():
-                assert job.poll() is None and time.time() < deadline, job.communicate()[0][-3000:]
-                time.sleep(0.5)
-            server = _server_process(url)
-            for process in [server, *server.children(recursive=True)]:
-                process.send_signal(signal.SIGKILL)
-            killed = time.time()
-            out, _ = job.communicate(timeout=120)
-        finally:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
+    # the server dies mid-run: the job stops naming it; the checkpoint before is intact
+    dying = tmp_path / "dying"
+    job = subprocess.Popen(
+        [*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
+         *tiny_overrides(tiny, dying), "grpo.max_steps=40", "checkpoint.save_steps=1", "data.eval_file=null",
+         f"rollout.servers=[{url}]", "rollout.server_timeout_s=5", "rollout.server_retries=1"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (dying / "checkpoints" / "step_00000001").exists():
+            assert job.poll() is None and time.time() < deadline, job.communicate()[0][-3000:]
+            time.sleep(0.5)
+        server = _server_process(url)
+        for process in [server, *server.children(recursive=True)]:
+            process.send_signal(signal.SIGKILL)
+        killed = time.time()
+        out, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode != 0 and time.time() - killed < 60, out[-3000:]
     assert f"vLLM server {url}" in out, out[-3000:]
     saved = sorted(p.name for p in (dying / "checkpoints").iterdir() if p.name.startswith("step_"))

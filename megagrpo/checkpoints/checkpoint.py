@@ -137,9 +137,10 @@ def resume_candidates(root: str, log=print) -> list[str]:
 
 
 def save(policy, root: str, state: TrainerState, keep_last: int, topo: Topology,
-         reference: Optional[dict] = None) -> str:
+         reference: Optional[dict] = None, rollouts_ahead: Optional[list] = None) -> str:
     """Collective: every rank calls it. Returns the checkpoint folder. `reference`: this rank's
-    parts of a moving reference model (grpo.sync_ref_model), saved beside the engine's files.
+    parts of a moving reference model (grpo.sync_ref_model), saved beside the engine's files;
+    `rollouts_ahead`: this rank's batches sampled for later steps (rollout.max_staleness).
     A LoRA policy (policy.adapter_config) saves its adapters and their optimizer state only,
     with PEFT's adapter_config.json; the frozen base weights are left out."""
     engine, adapter_config, is_main, rank = policy.engine, policy.adapter_config, topo.is_main, topo.rank
@@ -158,6 +159,8 @@ def save(policy, root: str, state: TrainerState, keep_last: int, topo: Topology,
         json.dump(rng_state(), f)
     if reference is not None:
         torch.save(reference, os.path.join(root, tmp, f"reference_rank{rank}.pt"))
+    if rollouts_ahead is not None:
+        torch.save(rollouts_ahead, os.path.join(root, tmp, f"rollouts_ahead_rank{rank}.pt"))
     _barrier()
     if is_main:
         _crash_point("engine_saved", step)
@@ -322,6 +325,26 @@ def load_reference(state: dict, rank: int) -> dict:
         raise ConfigError(f"{state['path']} has no {os.path.basename(path)}: it was saved without "
                           "grpo.sync_ref_model; resume it with grpo.sync_ref_model=false")
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_rollouts_ahead(state: dict, rank: int, max_staleness: int) -> list:
+    """This rank's batches sampled ahead that the checkpoint `state` came from saved (none when
+    it was saved with rollout.max_staleness 0): they resume on the layout they were sampled for,
+    and only with batches sampled ahead (the sampler's state is past them)."""
+    path = os.path.join(state["path"], f"rollouts_ahead_rank{rank}.pt")
+    saved = sorted(name for name in os.listdir(state["path"]) if name.startswith("rollouts_ahead_rank"))
+    if not saved:
+        return []
+    batches = torch.load(path, map_location="cpu", weights_only=False) if os.path.isfile(path) else None
+    if max_staleness == 0 and any(torch.load(os.path.join(state["path"], name), weights_only=False)
+                                  for name in saved):
+        raise ConfigError(f"{state['path']} holds batches sampled ahead for the steps after it (saved with "
+                          "rollout.max_staleness > 0); resume it with rollout.max_staleness > 0")
+    if state.get("resharded") or batches is None:
+        raise ConfigError(f"{state['path']}: its batches sampled ahead (rollout.max_staleness) are saved per "
+                          f"rank and resume on the layout they were sampled for (dp {state['dp_size']}); resume "
+                          "with that layout")
+    return batches
 
 
 def _check_resumable(path: str, this_run: TrainerState, topo: Topology) -> bool:

@@ -229,6 +229,11 @@ class RolloutConfig:
     server_retries: int = 3
     """rollout.servers: a request that gets no answer (or a 5xx) is tried this many more
     times; then the job stops, naming the server."""
+    max_staleness: int = 0
+    """rollout.servers: the batches of the next k steps are sampled while the trainer trains
+    this one (generation and training overlap); a batch is trained on at most k steps after
+    the weights that sampled it. 0: each batch is sampled with the current weights, as the
+    co-located engine does. Keep grpo.importance_sampling_correction on with k > 0 (docs/async.md)."""
     tensor_parallel_size: Optional[int] = None
     """vLLM tensor parallelism: each group of this many consecutive ranks holds one engine
     sharded between them (1/t of the weights and KV cache per rank), all of them sampling.
