@@ -55,6 +55,8 @@ class Plan:
     peak: dict = field(default_factory=dict)  # bytes held at a rank's peak, by what holds them
     lora: bool = False
     generator_tp: int = 1        # rollout.tensor_parallel_size: the vLLM engine's shards
+    servers: list = field(default_factory=list)  # rollout.servers: generation apart from the job
+    max_staleness: int = 0
 
 
 def model_config(model_path: str):
@@ -110,7 +112,8 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     ranks = [(r, place.dp_rank, place.tp_rank, place.pp_rank) for r in range(world_size)
              for place in [layout.at(r)]]
     plan = Plan(world_size, dp, tp, pp, stage, total, sharded, trained, bytes_per_rank, ranks, lora=lora,
-                generator_tp=cfg.rollout.tensor_parallel_size)
+                generator_tp=cfg.rollout.tensor_parallel_size, servers=list(cfg.rollout.servers),
+                max_staleness=cfg.rollout.max_staleness)
     plan.peak = peak_memory(cfg, plan, trained)
     return plan
 
@@ -337,8 +340,12 @@ def _gib(n: int) -> str:
 
 
 def format_plan(plan: Plan, max_rows: int = 16) -> str:
-    lines = [f"world {plan.world_size} = dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, vLLM tp {plan.generator_tp}; "
+    generation = (f"generation on {len(plan.servers)} vLLM server(s) apart from the job, max staleness "
+                  f"{plan.max_staleness}" if plan.servers else f"vLLM tp {plan.generator_tp}")
+    lines = [f"world {plan.world_size} = dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, {generation}; "
              f"ZeRO stage {plan.zero_stage}",
+             *([f"servers: {', '.join(plan.servers)} (their memory is theirs: size them with vLLM's own "
+                "settings)"] if plan.servers else []),
              f"model: {plan.params_total / 1e6:.2f}M parameters, {plan.params_sharded / 1e6:.2f}M "
              f"split by tensor parallelism"
              + (f"; LoRA adapters: {plan.params_trained / 1e6:.2f}M trained parameters (the base frozen)"

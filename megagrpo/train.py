@@ -93,6 +93,9 @@ class Trainer:
         self.step = 0
         self.generator_synced = False  # after the first sync only the weights a step changes move
         self.log(topology.describe())
+        if cfg.rollout.servers:
+            self.log(f"generation: vLLM server(s) {', '.join(cfg.rollout.servers)}; weights sent from rank 0 after "
+                     f"every step; max staleness {cfg.rollout.max_staleness}")
 
     # ---- the run ------------------------------------------------------------------------------
 

@@ -140,17 +140,25 @@ def test_server_run_equals_colocated_and_a_dead_server_stops_the_job(tiny, tmp_p
 
 def test_server_settings_refused_with_the_fix(tiny, tmp_path):
     from megagrpo.config.schema import ConfigError
+    from megagrpo.planning import format_plan, make_plan
     from megagrpo.validation import load_config
 
     base = tiny_overrides(tiny, tmp_path)
     cfg = load_config("configs/tiny_arith.yaml", base + ["rollout.servers=[http://node7:8000]"])
     assert cfg.rollout.servers == ["http://node7:8000"] and cfg.rollout.tensor_parallel_size == 1
+    plan = make_plan(cfg, 2)
+    assert plan.bytes_per_rank["rollout_weights"] == 0 and plan.peak["rollout"] == 0  # the servers' memory
+    assert "generation on 1 vLLM server(s) apart from the job, max staleness 0" in format_plan(plan)
     for bad, message in [
             ("rollout.servers=[node7:8000]", r"rollout.servers\[0\]: 'node7:8000' is not a server URL; write "
                                              r"http://HOST:PORT"),
             ("rollout.engine=hf", r"rollout.servers are vLLM servers: remove rollout.engine=hf"),
             ("rollout.tensor_parallel_size=2", r"shard a server with its own --tensor-parallel-size"),
-            ("rollout.server_retries=-1", r"rollout.server_retries=-1 must be >= 0")]:
-        extra = [bad] if bad.startswith("rollout.servers") else ["rollout.servers=[http://node7:8000]", bad]
+            ("rollout.server_retries=-1", r"rollout.server_retries=-1 must be >= 0"),
+            ("rollout.max_staleness=1", r"rollout.max_staleness=1 samples ahead on rollout.servers"),
+            ("grpo.dynamic_sampling=true", r"with grpo.dynamic_sampling: the rounds of a step depend on its rewards")]:
+        extra = {"rollout.servers=[node7:8000]": [bad], "rollout.max_staleness=1": [bad],
+                 "grpo.dynamic_sampling=true": ["rollout.servers=[http://node7:8000]", "rollout.max_staleness=1", bad]
+                 }.get(bad, ["rollout.servers=[http://node7:8000]", bad])
         with pytest.raises(ConfigError, match=message):
             load_config("configs/tiny_arith.yaml", base + extra)

@@ -1,0 +1,107 @@
+"""Overlap of generation and training: co-located engines against an external `vllm serve` with
+rollout.max_staleness 0, 1 and 2, side by side in one run, 2 trainer ranks each (torchrun).
+
+    python bench/async_rollout.py --agent-run runs/agent --arith-run runs/tiny [--steps 8]
+
+Tasks: the agentic quickstart's (AGENT=1 bash launch/quickstart.sh builds runs/agent), its
+`python` tool replaced by a stand-in for a remote API that answers after --tool-wait-s (0.2 s)
+without using CPU (bench/remote_tools.py), so a rollout waits on tools; and the single-turn
+arithmetic quickstart (runs/tiny), which is compute-bound. Per row, over the steps after the
+first: seconds per step, the trainer's idle share (waiting for its batch, or for the batches in
+flight before an update), the generator's busy share (the seconds the step's batch took to
+sample, over the step), the largest staleness, and the weight update's seconds. The server
+is a third process on the same cores: on a 2-core machine compute-bound rows cannot gain, and
+only the waiting-bound rows can show the overlap. Prints a table, writes JSON.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
+sys.path.insert(0, ROOT)
+import daemons  # noqa: E402
+
+from megagrpo.cluster.distributed import free_port  # noqa: E402
+
+SERVER_ARGS = ("--weight-transfer-config", '{"backend": "gloo"}', "--logprobs-mode", "processed_logprobs",
+               "--no-enable-chunked-prefill")
+
+
+def train(config: str, run: str, out: str, steps: int, *overrides: str, env=None) -> list[dict]:
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "megagrpo.train", "--config", config, f"model.name_or_path={run}/warm",
+           f"data.train_file={run}/data/train.jsonl", "data.eval_file=null", f"output_dir={out}",
+           f"grpo.max_steps={steps}", "checkpoint.save_steps=0", "checkpoint.save_hf_at_end=false",
+           "logging.sample_steps=0", "logging.progress_bar=false", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"train/loss"' in line]
+
+
+def summary(rows: list[dict]) -> dict:
+    steady = rows[1:]  # the first step pays the first requests and compilations
+
+    def mean(key):
+        return statistics.mean(r.get(key, 0.0) for r in steady)
+    step = mean("train/time/step")
+    if "train/rollout/wait_s" in steady[0]:  # sampled ahead: the trainer waits for its batch, and before an update
+        waited, sampling = mean("train/rollout/wait_s") + mean("train/time/rollout_ahead"), \
+            mean("train/rollout/sampling_s")
+    else:  # sampled in the step: the trainer waits for all of it
+        waited = sampling = mean("train/time/rollout")
+    return {"step_s": step, "trainer_idle": waited / step, "generator_busy": min(1.0, sampling / step),
+            "staleness_max": max((r.get("train/rollout/staleness", 0) for r in rows), default=0),
+            "weight_sync_s": mean("train/time/weight_sync"), "steps": len(steady)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--agent-run", default="runs/agent", help="folder with warm/ and data/ of the agentic task")
+    p.add_argument("--arith-run", default="runs/tiny", help="folder with warm/ and data/ of the arithmetic task")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--tool-wait-s", type=float, default=0.2)
+    p.add_argument("--work", default="bench/results/async_rollout_runs")
+    p.add_argument("--out", default="bench/results/async_rollout.json")
+    args = p.parse_args()
+    tasks = {
+        "agentic, tool waits": (args.agent_run, "configs/tiny_agent.yaml",
+                                ["rollout.tools=[{name: bench.remote_tools:python}]"],
+                                {"BENCH_TOOL_WAIT_S": str(args.tool_wait_s)}),
+        "single-turn": (args.arith_run, "configs/tiny_arith.yaml", [], {}),
+    }
+    results = []
+    for task, (run, config, extra, env) in tasks.items():
+        work = os.path.join(args.work, task.split(",")[0].replace(" ", "_"))
+        start = time.perf_counter()
+        rows = train(config, run, f"{work}/colocated", args.steps, *extra, env=env)
+        results.append({"task": task, "placement": "co-located", **summary(rows)})
+        with daemons.vllm_server(f"{run}/warm", work, *SERVER_ARGS) as url:
+            for k in (0, 1, 2):
+                rows = train(config, run, f"{work}/servers_k{k}", args.steps, *extra, f"rollout.servers=[{url}]",
+                             f"rollout.max_staleness={k}", env=env)
+                results.append({"task": task, "placement": f"server, max_staleness {k}", **summary(rows)})
+        print(f"{task}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    base = {r["task"]: r["step_s"] for r in results if r["placement"] == "co-located"}
+    header = f"{'task':<22}{'placement':<28}{'s/step':>8}{'vs co-loc':>10}{'trainer idle':>14}" \
+             f"{'gen busy':>10}{'stale max':>10}{'sync s':>8}"
+    print(header)
+    for r in results:
+        r["speedup_vs_colocated"] = base[r["task"]] / r["step_s"]
+        print(f"{r['task']:<22}{r['placement']:<28}{r['step_s']:>8.2f}{r['speedup_vs_colocated']:>9.2f}x"
+              f"{r['trainer_idle']:>13.0%}{r['generator_busy']:>10.0%}{r['staleness_max']:>10.0f}"
+              f"{r['weight_sync_s']:>8.2f}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"steps": args.steps, "tool_wait_s": args.tool_wait_s, "cpus": os.cpu_count(), "rows": results},
+                  f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
