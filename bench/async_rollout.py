@@ -6,7 +6,9 @@ rollout.max_staleness 0, 1 and 2, side by side in one run, 2 trainer ranks each 
 Tasks: the agentic quickstart's (AGENT=1 bash launch/quickstart.sh builds runs/agent), its
 `python` tool replaced by a stand-in for a remote API that answers after --tool-wait-s (0.2 s)
 without using CPU (bench/remote_tools.py), so a rollout waits on tools; and the single-turn
-arithmetic quickstart (runs/tiny), which is compute-bound. Per row, over the steps after the
+arithmetic quickstart (runs/tiny, --arith-steps 40 as the quickstart trains), which is
+compute-bound, with its held-out accuracy before and after (does staleness cost learning?). Per
+row, over the steps after the
 first: seconds per step, the trainer's idle share (waiting for its batch, or for the batches in
 flight before an update), the generator's busy share (the seconds the step's batch took to
 sample, over the step), the largest staleness, and the weight update's seconds. The server
@@ -32,17 +34,22 @@ SERVER_ARGS = ("--weight-transfer-config", '{"backend": "gloo"}', "--logprobs-mo
                "--no-enable-chunked-prefill")
 
 
-def train(config: str, run: str, out: str, steps: int, *overrides: str, env=None) -> list[dict]:
+def train(config: str, run: str, out: str, steps: int, *overrides: str, env=None, evaluate=False) -> list[dict]:
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "--master_port",
            str(free_port()), "-m", "megagrpo.train", "--config", config, f"model.name_or_path={run}/warm",
-           f"data.train_file={run}/data/train.jsonl", "data.eval_file=null", f"output_dir={out}",
+           f"data.train_file={run}/data/train.jsonl",
+           f"data.eval_file={run}/data/eval.jsonl" if evaluate else "data.eval_file=null", f"output_dir={out}",
            f"grpo.max_steps={steps}", "checkpoint.save_steps=0", "checkpoint.save_hf_at_end=false",
            "logging.sample_steps=0", "logging.progress_bar=false", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
                           capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"train/loss"' in line]
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"train/loss"' in line]
+    if evaluate:
+        results = json.load(open(os.path.join(out, "eval_results.json")))
+        rows[-1]["held_out"] = {when: results[when]["rewards/answer_match"] for when in ("before", "after")}
+    return rows
 
 
 def summary(rows: list[dict]) -> dict:
@@ -58,49 +65,54 @@ def summary(rows: list[dict]) -> dict:
         waited = sampling = mean("train/time/rollout")
     return {"step_s": step, "trainer_idle": waited / step, "generator_busy": min(1.0, sampling / step),
             "staleness_max": max((r.get("train/rollout/staleness", 0) for r in rows), default=0),
-            "weight_sync_s": mean("train/time/weight_sync"), "steps": len(steady)}
+            "weight_sync_s": mean("train/time/weight_sync"), "steps": len(steady),
+            "held_out_accuracy": rows[-1].get("held_out")}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--agent-run", default="runs/agent", help="folder with warm/ and data/ of the agentic task")
     p.add_argument("--arith-run", default="runs/tiny", help="folder with warm/ and data/ of the arithmetic task")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8, help="steps of the agentic task")
+    p.add_argument("--arith-steps", type=int, default=40,
+                   help="steps of the single-turn task, with held-out accuracy before and after (the quickstart's 40)")
     p.add_argument("--tool-wait-s", type=float, default=0.2)
     p.add_argument("--work", default="bench/results/async_rollout_runs")
     p.add_argument("--out", default="bench/results/async_rollout.json")
     args = p.parse_args()
     tasks = {
-        "agentic, tool waits": (args.agent_run, "configs/tiny_agent.yaml",
+        "agentic, tool waits": (args.agent_run, "configs/tiny_agent.yaml", args.steps, False,
                                 ["rollout.tools=[{name: bench.remote_tools:python}]"],
                                 {"BENCH_TOOL_WAIT_S": str(args.tool_wait_s)}),
-        "single-turn": (args.arith_run, "configs/tiny_arith.yaml", [], {}),
+        "single-turn": (args.arith_run, "configs/tiny_arith.yaml", args.arith_steps, True, [], {}),
     }
     results = []
-    for task, (run, config, extra, env) in tasks.items():
+    for task, (run, config, steps, evaluate, extra, env) in tasks.items():
         work = os.path.join(args.work, task.split(",")[0].replace(" ", "_"))
         start = time.perf_counter()
-        rows = train(config, run, f"{work}/colocated", args.steps, *extra, env=env)
+        rows = train(config, run, f"{work}/colocated", steps, *extra, env=env, evaluate=evaluate)
         results.append({"task": task, "placement": "co-located", **summary(rows)})
         with daemons.vllm_server(f"{run}/warm", work, *SERVER_ARGS) as url:
             for k in (0, 1, 2):
-                rows = train(config, run, f"{work}/servers_k{k}", args.steps, *extra, f"rollout.servers=[{url}]",
-                             f"rollout.max_staleness={k}", env=env)
+                rows = train(config, run, f"{work}/servers_k{k}", steps, *extra, f"rollout.servers=[{url}]",
+                             f"rollout.max_staleness={k}", env=env, evaluate=evaluate)
                 results.append({"task": task, "placement": f"server, max_staleness {k}", **summary(rows)})
         print(f"{task}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     base = {r["task"]: r["step_s"] for r in results if r["placement"] == "co-located"}
     header = f"{'task':<22}{'placement':<28}{'s/step':>8}{'vs co-loc':>10}{'trainer idle':>14}" \
-             f"{'gen busy':>10}{'stale max':>10}{'sync s':>8}"
+             f"{'gen busy':>10}{'stale max':>10}{'sync s':>8}  held-out before -> after"
     print(header)
     for r in results:
         r["speedup_vs_colocated"] = base[r["task"]] / r["step_s"]
         print(f"{r['task']:<22}{r['placement']:<28}{r['step_s']:>8.2f}{r['speedup_vs_colocated']:>9.2f}x"
               f"{r['trainer_idle']:>13.0%}{r['generator_busy']:>10.0%}{r['staleness_max']:>10.0f}"
-              f"{r['weight_sync_s']:>8.2f}")
+              f"{r['weight_sync_s']:>8.2f}  " + (f"{r['held_out_accuracy']['before']:.1%} -> "
+                                                  f"{r['held_out_accuracy']['after']:.1%}"
+                                                  if r["held_out_accuracy"] else "-"))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"steps": args.steps, "tool_wait_s": args.tool_wait_s, "cpus": os.cpu_count(), "rows": results},
-                  f, indent=1)
+        json.dump({"steps": args.steps, "arith_steps": args.arith_steps, "tool_wait_s": args.tool_wait_s,
+                   "cpus": os.cpu_count(), "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":
