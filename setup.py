@@ -28,6 +28,7 @@ setup(
         "tqdm",
         "numpy",
         "ninja",
+        "requests",  # rollout.servers: the vLLM servers' HTTP routes
         "matplotlib>=3.8",  # megagrpo report
         # LoRA policies (model.lora)
         "peft>=0.17,<0.22",
