@@ -188,7 +188,10 @@ class Trainer:
         clock.lap("train")
 
         if self.ahead is not None:
-            self.ahead.settle()  # a batch is sampled with one version of the weights
+            # a batch is sampled with one version of the weights: every rank's batches in flight
+            # are done before rank 0 changes the servers' weights
+            self.ahead.settle()
+            torch.distributed.barrier()
             clock.lap("rollout_ahead")
         self.sync_generator_weights()
         if self.ahead is not None:

@@ -114,7 +114,9 @@ class ServerFleet:
             "init_info": {**init_info, "rank_offset": offsets[self.servers.index(s)]}}))
 
     def start_weight_update(self) -> None:
-        self._each(lambda s: s.post("start_weight_update"))
+        # paused first (requests in flight finish, new ones wait): a forward pass during vLLM's
+        # layerwise reload fails the engine ("Tensor on device cpu is not on the expected device meta")
+        self._each(lambda s: (s.post("pause?mode=wait"), s.post("start_weight_update")))
 
     def update_weights(self, update_info: dict) -> None:
         self._each(lambda s: s.post("update_weights", {"update_info": update_info}))
@@ -122,7 +124,7 @@ class ServerFleet:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         # and the prefix cache, whose blocks hold keys and values of the previous weights
         self._each(lambda s: (s.post("finish_weight_update", {"weight_version": weight_version}),
-                              s.post("reset_prefix_cache")))
+                              s.post("reset_prefix_cache"), s.post("resume")))
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._each(lambda s: s.post("shutdown_weight_transfer_engine"))
