@@ -37,7 +37,7 @@ def worker(args) -> None:
         f"model.name_or_path={args.model}", f"data.train_file={args.prompts}", "data.eval_file=null",
         f"rollout.tensor_parallel_size={args.generator_tp}", f"rollout.max_new_tokens={args.max_new_tokens}"])
     topology = init_distributed(generator_tp=args.generator_tp)
-    group = GeneratorGroup(topology)
+    group = GeneratorGroup(topology, args.generator_tp)
     clock = time.perf_counter()
     engine = VLLMGenerator(cfg, args.model, seed=0)
     build_s = time.perf_counter() - clock

@@ -287,7 +287,8 @@ def _evaluate(args, merged) -> int:
               "or pass rollout.tensor_parallel_size=1", file=sys.stderr)
         return 2
     topology = init_distributed(generator_tp=cfg.rollout.tensor_parallel_size)
-    group = GeneratorGroup(topology)  # every rank evaluates its own prompts; a group shares one engine
+    # every rank evaluates its own prompts; a group shares one engine
+    group = GeneratorGroup(topology, cfg.rollout.tensor_parallel_size)
     try:
         stack = build_rollout_stack(cfg, training=False)
         if not stack.reward_functions and topology.is_main:

@@ -42,7 +42,7 @@ from megagrpo.policy.batch import make_batch
 from megagrpo.process_exit import exit_without_teardown
 from megagrpo.rewards import RewardError, component_metrics
 from megagrpo.rollout.agent import agent_metrics
-from megagrpo.rollout.ahead import RolloutsAhead
+from megagrpo.rollout.ahead import RolloutsAhead, ahead_sampler
 from megagrpo.rollout.generator_group import GeneratorGroup
 from megagrpo.rollout.generators import sampling_seed
 from megagrpo.rollout.groups import SampledGroups, sample_informative_groups
@@ -54,10 +54,6 @@ from megagrpo.validation import load_config
 class Trainer:
     def __init__(self, cfg: Config, topology: Topology, startup: StartupTimeline | None = None):
         self.cfg, self.topo = cfg, topology
-        if topology.generator_tp != cfg.rollout.tensor_parallel_size:  # the engine's tp groups and ours must agree
-            raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}, but the process "
-                              f"groups were made for {topology.generator_tp}: pass it to "
-                              "init_distributed(generator_tp=)")
         self.startup = startup = startup or StartupTimeline()
         g = cfg.grpo
         self.device = torch.device(f"cuda:{topology.local_rank}" if torch.cuda.is_available() else "cpu")
@@ -79,13 +75,13 @@ class Trainer:
         gc.freeze()
         # every rank builds its generator shard (vLLM's external launcher forms its groups over
         # all ranks); the ranks of a generator group make the same calls (rollout/generator_group.py)
-        self.generator_group = GeneratorGroup(topology)
+        self.generator_group = GeneratorGroup(topology, cfg.rollout.tensor_parallel_size)
         self.stack.start_generator(seed=g.seed + topology.generator_ranks()[0],
                                    run_once=self.generator_group.run_once)
         self.generator = self.stack.generator
         # rollout.max_staleness: the next steps' batches sampled while this one trains (rollout/ahead.py)
-        self.ahead = RolloutsAhead(self.sampler.next_indices, self.sample_ahead, cfg.rollout.max_staleness,
-                                   self.total_steps) if cfg.rollout.max_staleness else None
+        self.ahead = RolloutsAhead(self.sampler.next_indices, ahead_sampler(self.stack, g, topology.generates),
+                                   cfg.rollout.max_staleness, self.total_steps) if cfg.rollout.max_staleness else None
         startup.lap("generator")
         self.metrics = MetricsLogger(cfg.output_dir, cfg.logging, topology.is_main, to_dict(cfg))
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
@@ -93,9 +89,6 @@ class Trainer:
         self.step = 0
         self.generator_synced = False  # after the first sync only the weights a step changes move
         self.log(topology.describe())
-        if cfg.rollout.servers:
-            self.log(f"generation: vLLM server(s) {', '.join(cfg.rollout.servers)}; weights sent from rank 0 after "
-                     f"every step; max staleness {cfg.rollout.max_staleness}")
 
     # ---- the run ------------------------------------------------------------------------------
 
@@ -135,8 +128,6 @@ class Trainer:
             self.export()
         if self.topo.is_main and results:
             evaluation.write_results(cfg.output_dir, results)
-        if self.ahead is not None:
-            self.ahead.close()
         self.stack.close()
         self.metrics.close()
         self.log(f"done: {self.step} steps. {self.metrics.how_to_watch()}")
@@ -188,14 +179,9 @@ class Trainer:
         clock.lap("train")
 
         if self.ahead is not None:
-            # a batch is sampled with one version of the weights: every rank's batches in flight
-            # are done before rank 0 changes the servers' weights
-            self.ahead.settle()
-            torch.distributed.barrier()
+            self.ahead.settle()  # every rank's batches in flight are done before the weights change
             clock.lap("rollout_ahead")
         self.sync_generator_weights()
-        if self.ahead is not None:
-            self.ahead.version = self.step + 1
         clock.lap("weight_sync")
         if self.topo.is_main and self.cfg.logging.sample_steps and (self.step + 1) % self.cfg.logging.sample_steps == 0:
             shown = sampled.texts if self.stack.agent is None else [  # whole trajectories: turns and tool results
@@ -208,8 +194,6 @@ class Trainer:
                                        sum(clock.seconds.values()), self.topo.dp_group))
         metrics.update(component_metrics(rewards, self.topo.dp_group))
         metrics.update(sampled.metrics)
-        if self.ahead is not None:
-            metrics.update(self.ahead.metrics())
         if self.stack.agent is not None:
             metrics.update(agent_metrics(completions, self.stack.agent.tool_wall_seconds, self.topo.dp_group))
         metrics.update(clock.metrics())
@@ -223,17 +207,17 @@ class Trainer:
             indices, groups = batch.indices, self.share_rollout(batch.groups)
         else:
             indices = self.sampler.next_indices()
+            groups = self.generate([self.prompts[i] for i in indices], n=g.num_generations,
+                                   seeds=[sampling_seed(g.seed, self.step, i, sampling_round) for i in indices])
         record_prompts(self.cfg.output_dir, self.step + 1, indices, sampling_round, self.topo)
         prompts = [self.prompts[i] for i in indices]
-        if self.ahead is None:
-            groups = self.generate(prompts, n=g.num_generations,
-                                   seeds=[sampling_seed(g.seed, self.step, i, sampling_round) for i in indices])
         completions = [c for group in groups for c in group]
         prompt_of = [p for p in prompts for _ in range(g.num_generations)]
         clock.lap("rollout" if sampling_round == 0 else "resampling")
         texts, rewards = self.stack.score(prompt_of, completions, prompts[0].fields)
         clock.lap("reward" if sampling_round == 0 else "resampling")
-        return SampledGroups(prompt_of, completions, texts, rewards, g.num_generations)
+        return SampledGroups(prompt_of, completions, texts, rewards, g.num_generations,
+                             self.ahead.metrics() if self.ahead is not None else {})
 
     def generate(self, prompts: list[Prompt], n, seeds, greedy=False):
         """Sample on the generator groups of each model group that hold its first rank (one
@@ -253,15 +237,6 @@ class Trainer:
                                                     group=self.topo.model_group)
             groups = box[0]
         return groups
-
-    def sample_ahead(self, step: int, indices: list[int]):
-        """A later step's groups, on the side thread of RolloutsAhead (no collectives: the
-        servers sample, and only a model group's sampling rank asks them)."""
-        g = self.cfg.grpo
-        if not self.topo.generates:
-            return None
-        return self.stack.generate([self.prompts[i] for i in indices], n=g.num_generations,
-                                   seeds=[sampling_seed(g.seed, step, i, 0) for i in indices])
 
     def sync_generator_weights(self) -> float:
         """Stream the policy's weights into the generator of every rank that receives them
@@ -303,7 +278,7 @@ class Trainer:
             self.sampler.load_state_dict(state["sampler"])
             ahead = checkpoint.load_rollouts_ahead(state, self.topo.rank, self.cfg.rollout.max_staleness)
             if self.ahead is not None:
-                self.ahead.load_state(ahead, self.step)
+                self.ahead.load_state(ahead)
             if self.cfg.grpo.sync_ref_model:
                 self.policy.load_reference_state(checkpoint.load_reference(state, self.topo.rank))
 

@@ -8,11 +8,11 @@ Which prompts and seeds a step gets does not change: the sampler draws each step
 order, and a prompt's seeds are those of its step (generators.sampling_seed). The batches
 sampled ahead at a checkpoint are saved with it, so a resumed run trains on the same tokens.
 
-    ahead = RolloutsAhead(sampler.next_indices, sample, max_staleness=1, last_step=total_steps)
+    ahead = RolloutsAhead(sampler.next_indices, ahead_sampler(stack, cfg.grpo, generates), max_staleness=1,
+                          last_step=total_steps)
     batch = ahead.take(step)    # this step's batch; starts sampling the steps up to step + k
     ...train...
-    ahead.settle()              # nothing in flight: the weights may change now
-    sync weights; ahead.version = step + 1
+    ahead.settle()              # nothing in flight on any rank: the weights may change now
 """
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
+
+from megagrpo.rollout.generators import sampling_seed
 
 
 @dataclass
@@ -41,7 +45,6 @@ class RolloutsAhead:
         """draw() -> the next step's prompt indices; sample(step, indices) -> its groups (run on
         the side thread: no collectives)."""
         self.draw, self.sample, self.k, self.last_step = draw, sample, max_staleness, last_step
-        self.version = 0  # the trainer's weights that the generators hold: after this many steps
         self.batches: dict[int, Future] = {}
         self.side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts-ahead")
         self.largest_staleness = 0
@@ -49,10 +52,11 @@ class RolloutsAhead:
 
     def take(self, step: int) -> AheadBatch:
         """Step `step`'s batch (waiting for it if it is still being sampled); the batches of the
-        steps after it, up to step + k, are started with the current weights."""
+        steps after it, up to step + k, are started with the current weights, those after
+        `step` steps (the generators take them after every step, and at start or resume)."""
         for later in range(step, min(step + self.k, self.last_step - 1) + 1):
             if later not in self.batches:
-                self.batches[later] = self.side.submit(self._sample, later, self.draw(), self.version)
+                self.batches[later] = self.side.submit(self._sample, later, self.draw(), step)
         start = time.perf_counter()
         batch = self.batches.pop(step).result()
         waited = time.perf_counter() - start
@@ -72,9 +76,12 @@ class RolloutsAhead:
         return AheadBatch(step, indices, groups, version, time.perf_counter() - start)
 
     def settle(self) -> None:
-        """Wait for every batch in flight (before the generators' weights change)."""
+        """Wait for every batch in flight, on every rank (collective): then the generators'
+        weights may change, and no batch is sampled with two versions of them."""
         for batch in self.batches.values():
             batch.result()
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
 
     def metrics(self) -> dict:
         """The last batch taken: its staleness (and the run's largest), the trainer's wait for
@@ -83,17 +90,24 @@ class RolloutsAhead:
 
     def state(self) -> list[AheadBatch]:
         """The batches sampled ahead (after settle), for a checkpoint."""
-        self.settle()
         return [self.batches[step].result() for step in sorted(self.batches)]
 
-    def load_state(self, batches: list[AheadBatch], step: int) -> None:
-        """Resume: the batches a checkpoint saved, and the weights of its step in the generators."""
+    def load_state(self, batches: list[AheadBatch]) -> None:
+        """Resume: the batches a checkpoint saved."""
         self.batches = {}
         for batch in batches:
             done = Future()
             done.set_result(batch)
             self.batches[batch.step] = done
-        self.version = step
 
-    def close(self) -> None:
-        self.side.shutdown(wait=True)
+
+def ahead_sampler(stack, grpo, generates: bool) -> Callable[[int, list], list]:
+    """sample(step, indices) for RolloutsAhead: a later step's groups through the rollout stack,
+    with that step's seeds; None on a rank that does not sample (its model group's sampling
+    rank shares them when the step comes). No collectives: it runs on the side thread."""
+    def sample(step: int, indices: list) -> list:
+        if not generates:
+            return None
+        return stack.generate([stack.prompts[i] for i in indices], n=grpo.num_generations,
+                              seeds=[sampling_seed(grpo.seed, step, i, 0) for i in indices])
+    return sample

@@ -9,7 +9,7 @@ and the group's first rank hands every rank its own replica's results; with tool
 rank runs them and shares their results before the next turn, so that no rank's sandbox timing
 can send its engine a different prompt.
 
-    group = GeneratorGroup(topology)
+    group = GeneratorGroup(topology, cfg.rollout.tensor_parallel_size)
     completions = group.generate(stack, prompts, n, seeds)   # stack.RolloutStack's, pooled
     scores = group.map(generator.score, requests)             # any list -> list of results
     results = group.run_once(lambda: run_tools(calls))       # inside the multi-turn loop
@@ -21,10 +21,14 @@ from typing import Callable
 import torch.distributed as dist
 
 from megagrpo.cluster.topology import Topology
+from megagrpo.config.schema import ConfigError
 
 
 class GeneratorGroup:
-    def __init__(self, topology: Topology):
+    def __init__(self, topology: Topology, tensor_parallel_size: int):
+        if topology.generator_tp != tensor_parallel_size:  # the engine's tp groups and ours must agree
+            raise ConfigError(f"rollout.tensor_parallel_size={tensor_parallel_size}, but the process groups were "
+                              f"made for {topology.generator_tp}: pass it to init_distributed(generator_tp=)")
         self.group = topology.generator_group  # None: an engine of its own (rollout.tensor_parallel_size 1)
         self.size = topology.generator_tp
         self.leader = topology.generator_ranks()[0]

@@ -67,14 +67,16 @@ class Server:
     def get(self, path: str) -> dict:
         return self._call(requests.get, path, None)
 
-    def post(self, path: str, body: dict | None = None) -> dict:
-        return self._call(requests.post, path, body)
+    def post(self, path: str, body: dict | None = None, retry: bool = True) -> dict:
+        return self._call(requests.post, path, body, retry)
 
-    def _call(self, method, path: str, body: dict | None) -> dict:
+    def _call(self, method, path: str, body: dict | None, retry: bool = True) -> dict:
         """One request, tried again (rollout.server_retries) when the server does not answer
-        or answers 5xx; a 4xx (a request it refuses) is not."""
+        or answers 5xx; a 4xx (a request it refuses) is not, nor a step of a weight update
+        (retry=False: half an update cannot be sent again)."""
         error = None
-        for attempt in range(1 + self.retries):
+        tries = 1 + self.retries if retry else 1
+        for attempt in range(tries):
             if attempt:
                 time.sleep(min(2 ** attempt, 10))
             try:
@@ -87,7 +89,7 @@ class Server:
             error = f"HTTP {reply.status_code}: {reply.text[:500]}"
             if reply.status_code < 500:
                 break
-        raise ServerError(f"vLLM server {self.url} failed /{path} ({1 + self.retries} tries, "
+        raise ServerError(f"vLLM server {self.url} failed /{path} ({tries} tries, "
                           f"rollout.server_timeout_s {self.timeout_s:g} s each): {error}")
 
 
@@ -111,19 +113,19 @@ class ServerFleet:
             offsets.append(first)
             first += server.workers
         self._each(lambda s: s.post("init_weight_transfer_engine", {
-            "init_info": {**init_info, "rank_offset": offsets[self.servers.index(s)]}}))
+            "init_info": {**init_info, "rank_offset": offsets[self.servers.index(s)]}}, retry=False))
 
     def start_weight_update(self) -> None:
         # paused first (requests in flight finish, new ones wait): a forward pass during vLLM's
         # layerwise reload fails the engine ("Tensor on device cpu is not on the expected device meta")
-        self._each(lambda s: (s.post("pause?mode=wait"), s.post("start_weight_update")))
+        self._each(lambda s: (s.post("pause?mode=wait"), s.post("start_weight_update", retry=False)))
 
     def update_weights(self, update_info: dict) -> None:
-        self._each(lambda s: s.post("update_weights", {"update_info": update_info}))
+        self._each(lambda s: s.post("update_weights", {"update_info": update_info}, retry=False))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         # and the prefix cache, whose blocks hold keys and values of the previous weights
-        self._each(lambda s: (s.post("finish_weight_update", {"weight_version": weight_version}),
+        self._each(lambda s: (s.post("finish_weight_update", {"weight_version": weight_version}, retry=False),
                               s.post("reset_prefix_cache"), s.post("resume")))
 
     def shutdown_weight_transfer_engine(self) -> None:
@@ -142,7 +144,7 @@ def address_towards(url: str) -> str:
 class ServerGenerator:
     """The generator interface of rollout/generators.py over `vllm serve` processes."""
 
-    def __init__(self, cfg: Config, urls: list[str], log=print):
+    def __init__(self, cfg: Config, urls: list[str], log=lambda line: print(f"[megagrpo] {line}", flush=True)):
         self.cfg = cfg.rollout
         r = cfg.rollout
         self.servers = [Server(url, r.server_timeout_s, r.server_retries) for url in urls]
@@ -154,6 +156,10 @@ class ServerGenerator:
                                   f"run needs {needed} (data.max_prompt_length + rollout.max_new_tokens): restart "
                                   f"it with --max-model-len {needed}")
         self.is_sender = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        if self.is_sender:
+            log(f"generation: vLLM server(s) {', '.join(s.url for s in self.servers)} "
+                f"({sum(s.workers for s in self.servers)} workers); weights sent from rank 0 after every step; "
+                f"max staleness {r.max_staleness}")
         self.sender = None  # the transfer group's sending end, made at the first update
         self.version = 0    # updates sent; the servers name their weights by it
         self.pool = ThreadPoolExecutor(max_workers=64)

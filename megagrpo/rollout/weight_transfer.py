@@ -110,7 +110,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         super().__init__(config, vllm_config, device, model)
         self.group = None
         if device.type == "cpu":
-            from megagrpo.rollout.generators import skip_input_embedding_prepack
+            from megagrpo.rollout.vllm_models import skip_input_embedding_prepack
             skip_input_embedding_prepack(model)
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
@@ -137,7 +137,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        from megagrpo.rollout.generators import refresh_tied_lm_head
+        from megagrpo.rollout.vllm_models import refresh_tied_lm_head
         finalize_layerwise_reload(self.model, self.model_config)
         refresh_tied_lm_head(self.model)
 

@@ -1,0 +1,41 @@
+"""In-place fixes to vLLM's model objects (vllm 0.32, CPU), applied wherever vLLM loads weights
+that megagrpo sends: the co-located engine (generators.py) and the workers of an engine apart
+from the trainer (weight_transfer.py). docs/upstream-issues.md lists both."""
+from __future__ import annotations
+
+
+def refresh_tied_lm_head(model) -> None:
+    """With tied embeddings the checkpoint has no lm_head weight, so vLLM's in-place reload
+    puts the head's old kernel-format copy back (on CPU a prepacked GEMM weight; vllm 0.32).
+    Re-derive it from the freshly loaded, shared embedding (docs/upstream-issues.md)."""
+    head = getattr(model, "lm_head", None)
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
+
+
+def skip_input_embedding_prepack(model) -> None:
+    """On CPU, vLLM prepares every vocabulary-sized embedding for a matmul when its weights load
+    (`process_weights_after_loading`: a oneDNN prepacked copy of the whole [vocab, hidden]
+    matrix), the input embedding too, which only looks rows up and never uses it. An in-place
+    sync reloads it, so every sync paid that again (0.48 s of a 2.8 s sync on 2 ranks at the
+    Qwen2.5-0.5B shape cut to 4 layers; bench/weight_sync.py), and the copy stayed in memory.
+    Where the model has an LM head of its own (tied or not, it keeps its prepack), the input
+    embeddings skip theirs."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    class LookupOnly(UnquantizedEmbeddingMethod):
+        def process_weights_after_loading(self, layer) -> None:
+            pass
+
+    if not isinstance(getattr(model, "lm_head", None), ParallelLMHead):
+        return  # a model whose logits come from its input embedding (e.g. Gemma) needs the prepack
+    for layer in model.modules():
+        if (isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
+                and type(layer.quant_method) is UnquantizedEmbeddingMethod):
+            layer.quant_method = LookupOnly()
+            if hasattr(layer, "cpu_linear"):
+                del layer.cpu_linear  # the prepacked copy made at load time
