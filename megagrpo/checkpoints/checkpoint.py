@@ -332,18 +332,16 @@ def load_rollouts_ahead(state: dict, rank: int, max_staleness: int) -> list:
     it was saved with rollout.max_staleness 0): they resume on the layout they were sampled for,
     and only with batches sampled ahead (the sampler's state is past them)."""
     path = os.path.join(state["path"], f"rollouts_ahead_rank{rank}.pt")
-    saved = sorted(name for name in os.listdir(state["path"]) if name.startswith("rollouts_ahead_rank"))
-    if not saved:
+    if not any(name.startswith("rollouts_ahead_rank") for name in os.listdir(state["path"])):
         return []
-    batches = torch.load(path, map_location="cpu", weights_only=False) if os.path.isfile(path) else None
-    if max_staleness == 0 and any(torch.load(os.path.join(state["path"], name), weights_only=False)
-                                  for name in saved):
-        raise ConfigError(f"{state['path']} holds batches sampled ahead for the steps after it (saved with "
-                          "rollout.max_staleness > 0); resume it with rollout.max_staleness > 0")
-    if state.get("resharded") or batches is None:
+    if state.get("resharded") or not os.path.isfile(path):
         raise ConfigError(f"{state['path']}: its batches sampled ahead (rollout.max_staleness) are saved per "
                           f"rank and resume on the layout they were sampled for (dp {state['dp_size']}); resume "
                           "with that layout")
+    batches = torch.load(path, map_location="cpu", weights_only=False)
+    if max_staleness == 0 and batches:  # every rank samples as many batches ahead: its own file tells
+        raise ConfigError(f"{state['path']} holds batches sampled ahead for the steps after it (saved with "
+                          "rollout.max_staleness > 0); resume it with rollout.max_staleness > 0")
     return batches
 
 
