@@ -271,7 +271,8 @@ def _evaluate(args, merged) -> int:
             print(f"megagrpo: error: {e}", file=sys.stderr)
             return 2
         model = merged
-    overrides = list(args.overrides) + [f"model.name_or_path={model}",
+    # an engine in each rank of this launch (a training config's generating ranks are not here)
+    overrides = list(args.overrides) + [f"model.name_or_path={model}", "rollout.placement=colocated",
                                         f"data.eval_file={args.data}", f"data.train_file={args.data}"]
     try:
         cfg = load_config(args.config, overrides, training=False)

@@ -57,6 +57,8 @@ class Plan:
     generator_tp: int = 1        # rollout.tensor_parallel_size: the vLLM engine's shards
     servers: list = field(default_factory=list)  # rollout.servers: generation apart from the job
     max_staleness: int = 0
+    generating_ranks: int = 0    # rollout.placement=disaggregated: the launch's last ranks (world_size counts them)
+    generating_peak: int = 0     # bytes one generating rank holds (its server's share)
 
 
 def model_config(model_path: str):
@@ -88,8 +90,12 @@ def count_parameters(model_path: str) -> tuple[int, int]:
 
 
 def make_plan(cfg: Config, world_size: int) -> Plan:
+    """world_size: the launch's (with placement disaggregated, its generating ranks included)."""
     tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
-    dp = world_size // (tp * pp)
+    r = cfg.rollout
+    generating = r.ranks if r.placement == "disaggregated" else 0
+    trainers = world_size - generating
+    dp = trainers // (tp * pp)
     stage = zero_stage(cfg.deepspeed)
     total, sharded = count_parameters(cfg.model.name_or_path)
     local = sharded // tp + (total - sharded)  # one rank's share before ZeRO
@@ -106,16 +112,32 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
         "optimizer": trained * optim_b // (dp if stage >= 1 else 1),
         "reference": (local * weight_b // (dp if stage >= 3 else 1)) if cfg.grpo.kl_coef > 0 and not lora else 0,
         # vLLM's share: its tp group splits every layer, the embedding and the head by vocabulary
-        "rollout_weights": 0 if cfg.rollout.servers else -(-total * weight_b // cfg.rollout.tensor_parallel_size),
+        "rollout_weights": 0 if r.servers or generating else -(-total * weight_b // r.tensor_parallel_size),
     }
-    layout = Topology(world_size, 0, 0, tp, pp)
-    ranks = [(r, place.dp_rank, place.tp_rank, place.pp_rank) for r in range(world_size)
-             for place in [layout.at(r)]]
+    layout = Topology(trainers, 0, 0, tp, pp)
+    ranks = [(rank, place.dp_rank, place.tp_rank, place.pp_rank) for rank in range(trainers)
+             for place in [layout.at(rank)]]
     plan = Plan(world_size, dp, tp, pp, stage, total, sharded, trained, bytes_per_rank, ranks, lora=lora,
-                generator_tp=cfg.rollout.tensor_parallel_size, servers=list(cfg.rollout.servers),
-                max_staleness=cfg.rollout.max_staleness)
+                generator_tp=r.tensor_parallel_size, servers=list(r.servers),
+                max_staleness=r.max_staleness, generating_ranks=generating)
     plan.peak = peak_memory(cfg, plan, trained)
+    if generating:  # a server's weights and KV cache, split over its ranks
+        shard = -(-total * weight_b // r.tensor_parallel_size)
+        plan.generating_peak = RUNTIME_BYTES[_device()] + engine_bytes(cfg, shard)
     return plan
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def engine_bytes(cfg: Config, weights: int) -> int:
+    """What a vLLM engine holding `weights` bytes of the model takes on a rank: its copies of
+    them and its KV cache on CPU; its share of the device on GPU."""
+    r = cfg.rollout
+    if _device() == "cpu":
+        return weights * VLLM_CPU_WEIGHT_COPIES[cfg.model.dtype] + int(r.cpu_kv_cache_gb * 2**30)
+    return int(r.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory)
 
 
 # ---- the peak: everything a rank holds at once --------------------------------------------
@@ -152,7 +174,7 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int) -> dict:
     and the fused log-prob head's working set; vLLM on CPU does not sleep, so everything is held
     together there."""
     config = model_config(cfg.model.name_or_path)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = _device()
     g, r = cfg.grpo, cfg.rollout
     weight_b = 4 if cfg.model.dtype == "float32" else 2
     longest = max_sequence_length(cfg)  # prompt + completion (every turn and tool message)
@@ -171,16 +193,14 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int) -> dict:
         "trainer_state": state,
         "gradient_buckets": _bucket_bytes(cfg, trained_params, weight_b),
         "reference": plan.bytes_per_rank["reference"],
-        "rollout": (plan.bytes_per_rank["rollout_weights"] * VLLM_CPU_WEIGHT_COPIES[cfg.model.dtype]
-                    + int(r.cpu_kv_cache_gb * 2**30)) if device == "cpu"
-        else int(r.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory),
+        "rollout": engine_bytes(cfg, plan.bytes_per_rank["rollout_weights"]),
         "activations": tokens * activation_bytes_per_token(config, layers, cfg.model.dtype,
                                                            cfg.model.gradient_checkpointing),
         "logprob_head": head,
     }
     if device == "cuda" and r.sleep:  # vLLM's weights and KV cache leave the GPU while it trains
         peak["rollout"] = max(0, peak["rollout"] - peak["activations"] - head)
-    if r.servers:  # generation runs in the servers' memory, not the ranks'
+    if r.servers or plan.generating_ranks:  # generation runs in the servers' memory, not the trainers'
         peak["rollout"] = 0
     return peak
 
@@ -251,6 +271,8 @@ def check_layout(cfg: Config) -> None:
                 "runs pipelines with ZeRO stage 0 or 1 only; use configs/ds_zero0.json or a "
                 "stage-1 config, or pipeline_parallel_size=1")
     world = os.environ.get("WORLD_SIZE")
+    if cfg.rollout.placement == "disaggregated":
+        world = check_disaggregated(cfg, world)  # the trainers' share of the launch
     if world is not None:
         require(int(world) % (tp * pp) == 0,
                 f"world size {world} is not divisible by tensor_parallel_size x "
@@ -284,14 +306,17 @@ def check_generator_layout(cfg: Config, world: Optional[str]) -> None:
     r, tp, pp = cfg.rollout, cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
     require(r.max_staleness >= 0, f"rollout.max_staleness={r.max_staleness} must be >= 0")
     if r.max_staleness:
-        require(bool(r.servers), f"rollout.max_staleness={r.max_staleness} samples ahead on rollout.servers (an "
-                "engine inside the job samples between the steps): set rollout.servers, or leave it 0")
+        require(bool(r.servers) or r.placement == "disaggregated", f"rollout.max_staleness={r.max_staleness} "
+                "samples ahead on servers (an engine inside the job samples between the steps): set "
+                "rollout.servers or rollout.placement=disaggregated, or leave it 0")
         require(not cfg.grpo.dynamic_sampling, f"rollout.max_staleness={r.max_staleness} with "
                 "grpo.dynamic_sampling: the rounds of a step depend on its rewards, so they cannot be sampled "
                 "ahead; use one or the other")
     if r.servers:
         check_servers(cfg)
         return
+    if r.placement == "disaggregated":
+        return  # the servers' layout: check_disaggregated
     if r.tensor_parallel_size is None:
         r.tensor_parallel_size = tp if pp == 1 and r.engine == "vllm" else 1
     t = r.tensor_parallel_size
@@ -307,6 +332,12 @@ def check_generator_layout(cfg: Config, world: Optional[str]) -> None:
             f"use a divisor or a multiple of {tp}")
     require(world is None or int(world) % t == 0,
             f"{key}: world size {world} is not divisible by it; launch a multiple of {t} ranks")
+    check_engine_heads(cfg, key, t)
+
+
+def check_engine_heads(cfg: Config, key: str, t: int) -> None:
+    """A vLLM engine of tp t splits the model's heads: t must divide them (key-value heads: one
+    divides the other)."""
     model_config = os.path.join(cfg.model.name_or_path, "config.json")
     if os.path.isfile(model_config):
         with open(model_config) as f:
@@ -317,6 +348,30 @@ def check_generator_layout(cfg: Config, world: Optional[str]) -> None:
                 f"{key} does not divide the model's {heads} attention heads; use a divisor of {heads}")
         require(kv_heads is None or kv_heads % t == 0 or t % kv_heads == 0,
                 f"{key} and the model's {kv_heads} key-value heads: one must divide the other")
+
+
+def check_disaggregated(cfg: Config, world: Optional[str]) -> Optional[str]:
+    """rollout.placement=disaggregated: the generating ranks (rollout.ranks, whole servers of
+    rollout.tensor_parallel_size) and a trainer left; returns the trainers' world size (None
+    when the launch's is not known)."""
+    r = cfg.rollout
+    require(not r.servers, "rollout.placement=disaggregated starts its own servers on rollout.ranks of the launch: "
+            "remove rollout.servers (or use them with placement colocated, the default)")
+    require(r.engine == "vllm", "rollout.placement=disaggregated runs vLLM servers: remove rollout.engine=hf")
+    require(r.ranks >= 1, f"rollout.placement=disaggregated needs rollout.ranks >= 1 (now {r.ranks}): how many of "
+            "the launch's ranks generate, e.g. rollout.ranks=1")
+    t = r.tensor_parallel_size = r.tensor_parallel_size or 1
+    require(t >= 1, f"rollout.tensor_parallel_size={t} must be >= 1")
+    require(r.ranks % t == 0, f"rollout.ranks={r.ranks} is not a whole number of servers of "
+            f"rollout.tensor_parallel_size={t} ranks each: use a multiple of {t}")
+    check_engine_heads(cfg, f"rollout.tensor_parallel_size={t}", t)
+    require(r.server_timeout_s > 0, f"rollout.server_timeout_s={r.server_timeout_s} must be > 0")
+    require(r.server_retries >= 0, f"rollout.server_retries={r.server_retries} must be >= 0")
+    if world is None:
+        return None
+    require(int(world) > r.ranks, f"rollout.ranks={r.ranks} leaves no rank to train in a launch of {world}: "
+            f"launch more ranks (at least {r.ranks + 1}) or generate on fewer")
+    return str(int(world) - r.ranks)
 
 
 def check_servers(cfg: Config) -> None:
@@ -340,10 +395,17 @@ def _gib(n: int) -> str:
 
 
 def format_plan(plan: Plan, max_rows: int = 16) -> str:
+    trainers = plan.world_size - plan.generating_ranks
     generation = (f"generation on {len(plan.servers)} vLLM server(s) apart from the job, max staleness "
                   f"{plan.max_staleness}" if plan.servers else f"vLLM tp {plan.generator_tp}")
-    lines = [f"world {plan.world_size} = dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, {generation}; "
-             f"ZeRO stage {plan.zero_stage}",
+    if plan.generating_ranks:
+        servers = plan.generating_ranks // plan.generator_tp
+        generation = (f"generation on ranks {trainers}-{plan.world_size - 1}: {servers} vLLM server(s) of tp "
+                      f"{plan.generator_tp}, max staleness {plan.max_staleness}")
+    world = f"world {plan.world_size} = " + (f"{trainers} training (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}) + "
+                                             f"{plan.generating_ranks} generating" if plan.generating_ranks else
+                                             f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp}")
+    lines = [f"{world}, {generation}; ZeRO stage {plan.zero_stage}",
              *([f"servers: {', '.join(plan.servers)} (their memory is theirs: size them with vLLM's own "
                 "settings)"] if plan.servers else []),
              f"model: {plan.params_total / 1e6:.2f}M parameters, {plan.params_sharded / 1e6:.2f}M "
@@ -365,4 +427,7 @@ def format_plan(plan: Plan, max_rows: int = 16) -> str:
         for key, value in plan.peak.items():
             lines.append(f"  {key:<18}{_gib(value):>12}")
         lines.append(f"  {'total':<18}{_gib(sum(plan.peak.values())):>12}")
+    if plan.generating_ranks:
+        lines.append(f"peak memory per generating rank (its server's weights and KV cache): "
+                     f"{_gib(plan.generating_peak)}")
     return "\n".join(lines)

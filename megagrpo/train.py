@@ -16,7 +16,6 @@ import math
 import os
 import sys
 import time
-import traceback
 
 import torch
 
@@ -24,6 +23,7 @@ from megagrpo import evaluation
 from megagrpo.algorithm import grpo
 from megagrpo.checkpoints import checkpoint
 from megagrpo.cluster.distributed import all_gather_1d, init_distributed
+from megagrpo.cluster.placement import Placement, engine_tp, launch_env
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.loading import to_dict
 from megagrpo.config.schema import Config, ConfigError
@@ -39,16 +39,19 @@ from megagrpo.metrics import (
 )
 from megagrpo.policy import build_policy
 from megagrpo.policy.batch import make_batch
-from megagrpo.process_exit import exit_without_teardown
+from megagrpo.process_exit import exit_without_teardown, run_rank
 from megagrpo.rewards import RewardError, component_metrics
 from megagrpo.rollout.agent import agent_metrics
 from megagrpo.rollout.ahead import RolloutsAhead, ahead_sampler
 from megagrpo.rollout.generator_group import GeneratorGroup
 from megagrpo.rollout.generators import sampling_seed
 from megagrpo.rollout.groups import SampledGroups, sample_informative_groups
+from megagrpo.rollout.serving import serve
 from megagrpo.rollout.weight_sync import sync_weights
 from megagrpo.stack import build_rollout_stack
 from megagrpo.validation import load_config
+
+USER_ERRORS = (DataError, RewardError, ConfigError)  # their messages say it all: no traceback
 
 
 class Trainer:
@@ -75,7 +78,7 @@ class Trainer:
         gc.freeze()
         # every rank builds its generator shard (vLLM's external launcher forms its groups over
         # all ranks); the ranks of a generator group make the same calls (rollout/generator_group.py)
-        self.generator_group = GeneratorGroup(topology, cfg.rollout.tensor_parallel_size)
+        self.generator_group = GeneratorGroup(topology, engine_tp(cfg))
         self.stack.start_generator(seed=g.seed + topology.generator_ranks()[0],
                                    run_once=self.generator_group.run_once)
         self.generator = self.stack.generator
@@ -329,18 +332,15 @@ def main(argv=None) -> int:
         return 0
     quiet_library_output()
     startup.lap("config")
+    launch_env()
+    placement = Placement.from_env(cfg)  # rollout.placement: which ranks train, which generate
+    if not placement.trains:
+        return run_rank(lambda: serve(cfg, placement), placement.rank, USER_ERRORS)
+    placement.enter_trainer_world()
     topology = init_distributed(args.timeout_minutes, cfg.parallel.tensor_parallel_size,
-                                cfg.parallel.pipeline_parallel_size, cfg.rollout.tensor_parallel_size)
+                                cfg.parallel.pipeline_parallel_size, engine_tp(cfg))
     startup.lap("distributed")
-    try:
-        Trainer(cfg, topology, startup).train()
-    except Exception as e:  # noqa: BLE001 - every failure must end this rank now
-        if not isinstance(e, (DataError, RewardError, ConfigError)):
-            traceback.print_exc()
-        print(f"megagrpo: error on rank {topology.rank}: {e or type(e).__name__}", file=sys.stderr, flush=True)
-        # other ranks may wait in a collective: exit without teardown so the launcher sees the
-        # failure and stops them, instead of everyone hanging until the process-group timeout
-        os._exit(1)
+    run_rank(lambda: Trainer(cfg, topology, startup).train(), topology.rank, USER_ERRORS)
     torch.distributed.barrier()  # leave together (vLLM's exit hook tears its groups down)
     return 0
 

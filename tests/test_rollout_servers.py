@@ -49,6 +49,26 @@ def server(tiny, tmp_path_factory):
         yield url
 
 
+@pytest.fixture(scope="module")
+def colocated(tiny, tmp_path_factory):
+    """The co-located 2-rank run both placements of generation apart are held equal to."""
+    out = tmp_path_factory.mktemp("colocated")
+    _train(tiny, out)
+    return out
+
+
+def _assert_equal_runs(expected, got):
+    """The same completions, token for token: the same losses, held-out scores and parameters."""
+    losses, got_losses = _scalars(expected, "train/loss"), _scalars(got, "train/loss")
+    assert len(got_losses) == 3 and max(abs(a - b) for a, b in zip(losses, got_losses)) < 1e-6, (losses, got_losses)
+    assert _scalars(got, "train/completions/mean_length") == _scalars(expected, "train/completions/mean_length")
+    assert json.load(open(got / "eval_results.json")) == json.load(open(expected / "eval_results.json"))
+    a = load_file(str(expected / "hf" / "model.safetensors"))
+    b = load_file(str(got / "hf" / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
+
+
 def _train(tiny, out, *overrides):
     return run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, out), *COMMON, *overrides], timeout=600)
@@ -90,25 +110,16 @@ def test_sampled_ahead_with_staleness_bounded_and_resumed_exactly(tiny, tmp_path
 
 @pytest.mark.daemons
 @pytest.mark.multirank
-def test_server_run_equals_colocated_and_a_dead_server_stops_the_job(tiny, tmp_path, server):
-    colocated, served = tmp_path / "colocated", tmp_path / "served"
-    _train(tiny, colocated)
+def test_server_run_equals_colocated_and_a_dead_server_stops_the_job(tiny, tmp_path, server, colocated):
+    served = tmp_path / "served"
     url = server
     proc = _train(tiny, served, f"rollout.servers=[{url}]")
     # the start-up sync and one per step, each named by its number
     assert requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == "4"
-
-    # equal to the co-located run: the same completions, token for token
-    expected, got = _scalars(colocated, "train/loss"), _scalars(served, "train/loss")
-    assert len(got) == 3 and max(abs(a - b) for a, b in zip(expected, got)) < 1e-6, (expected, got)
-    assert _scalars(served, "train/completions/mean_length") == _scalars(colocated, "train/completions/mean_length")
-    assert json.load(open(served / "eval_results.json")) == json.load(open(colocated / "eval_results.json"))
+    _assert_equal_runs(colocated, served)
     a = load_file(str(colocated / "hf" / "model.safetensors"))
-    b = load_file(str(served / "hf" / "model.safetensors"))
     start = load_file(os.path.join(tiny["warm"], "model.safetensors"))
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-4  # training moved them
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
     assert "vLLM server" not in proc.stderr
 
     # the server dies mid-run: the job stops naming it; the checkpoint before is intact
@@ -155,10 +166,62 @@ def test_server_settings_refused_with_the_fix(tiny, tmp_path):
             ("rollout.engine=hf", r"rollout.servers are vLLM servers: remove rollout.engine=hf"),
             ("rollout.tensor_parallel_size=2", r"shard a server with its own --tensor-parallel-size"),
             ("rollout.server_retries=-1", r"rollout.server_retries=-1 must be >= 0"),
-            ("rollout.max_staleness=1", r"rollout.max_staleness=1 samples ahead on rollout.servers"),
+            ("rollout.max_staleness=1", r"rollout.max_staleness=1 samples ahead on servers"),
             ("grpo.dynamic_sampling=true", r"with grpo.dynamic_sampling: the rounds of a step depend on its rewards")]:
         extra = {"rollout.servers=[node7:8000]": [bad], "rollout.max_staleness=1": [bad],
                  "grpo.dynamic_sampling=true": ["rollout.servers=[http://node7:8000]", "rollout.max_staleness=1", bad]
                  }.get(bad, ["rollout.servers=[http://node7:8000]", bad])
         with pytest.raises(ConfigError, match=message):
             load_config("configs/tiny_arith.yaml", base + extra)
+
+
+@pytest.mark.multirank
+def test_generating_ranks_in_the_job_equal_colocated(tiny, tmp_path, colocated):
+    """rollout.placement=disaggregated: 3 ranks through torchrun, ranks 0-1 train (ZeRO-3) in a
+    world of their own and rank 2 runs the job's vLLM server; the run equals the co-located one,
+    and the server is gone with the job. A server that cannot start stops the job, naming its log."""
+    out = tmp_path / "disaggregated"
+    proc = run([*torchrun(3, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
+                *tiny_overrides(tiny, out), *COMMON, "rollout.placement=disaggregated", "rollout.ranks=1"],
+               timeout=600)
+    _assert_equal_runs(colocated, out)
+    assert "world 2 = dp 2 x tp 1 x pp 1" in proc.stdout  # the trainers' world
+    url = proc.stdout.split("generator server 0 serving at ", 1)[1].split()[0]
+    assert (out / "vllm_server_0.log").exists()
+    with pytest.raises(StopIteration):  # the server ended with the job
+        _server_process(url)
+
+    # a server that cannot start (a KV cache too small for one sequence): the job stops, naming its log
+    failed = run([*torchrun(3, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
+                  *tiny_overrides(tiny, tmp_path / "failed"), *COMMON, "rollout.placement=disaggregated",
+                  "rollout.ranks=1", "rollout.cpu_kv_cache_gb=0.00001"], check=False, timeout=600)
+    assert failed.returncode != 0
+    assert "megagrpo: error on rank 2: generator server 0 (http://" in failed.stderr, failed.stderr[-3000:]
+    assert "vllm_server_0.log" in failed.stderr
+
+
+def test_disaggregated_settings_refused_with_the_fix(tiny, tmp_path, monkeypatch):
+    from megagrpo.config.schema import ConfigError
+    from megagrpo.planning import format_plan, make_plan
+    from megagrpo.validation import load_config
+
+    base = tiny_overrides(tiny, tmp_path) + ["rollout.placement=disaggregated"]
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    cfg = load_config("configs/tiny_arith.yaml", base + ["rollout.ranks=2", "rollout.tensor_parallel_size=2",
+                                                         "rollout.max_staleness=1"])
+    plan = make_plan(cfg, 6)
+    assert (plan.dp, plan.generating_ranks, len(plan.ranks)) == (4, 2, 4)
+    assert plan.peak["rollout"] == 0 and plan.generating_peak > 0
+    text = format_plan(plan)
+    assert "world 6 = 4 training (dp 4 x tp 1 x pp 1) + 2 generating, generation on ranks 4-5: 1 vLLM server(s) " \
+           "of tp 2, max staleness 1" in text and "peak memory per generating rank" in text
+    for bad, message in [
+            ("rollout.ranks=0", r"needs rollout.ranks >= 1 \(now 0\)"),
+            ("rollout.ranks=3", r"rollout.ranks=3 is not a whole number of servers of rollout.tensor_parallel_size=2"),
+            ("rollout.ranks=6", r"rollout.ranks=6 leaves no rank to train in a launch of 6"),
+            ("rollout.servers=[http://node7:8000]", r"remove rollout.servers"),
+            ("parallel.tensor_parallel_size=3", r"world size 4 is not divisible by tensor_parallel_size x "
+                                                r"pipeline_parallel_size = 3 x 1")]:
+        extra = ["rollout.ranks=2"] if bad.startswith(("rollout.servers", "parallel")) else []
+        with pytest.raises(ConfigError, match=message):
+            load_config("configs/tiny_arith.yaml", base + ["rollout.tensor_parallel_size=2", *extra, bad])

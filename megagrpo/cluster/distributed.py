@@ -40,21 +40,15 @@ def free_port() -> int:
 
 def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: int = 1,
                      generator_tp: int = 1) -> Topology:
-    """Create the job's process group (one plain process gets a world of one)."""
+    """Create the job's process group (one plain process gets a world of one; with generating
+    ranks apart, the trainers' world: cluster/placement.py)."""
     import deepspeed
 
-    mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
-    if "RANK" not in os.environ and not mpirun and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        # srun started the ranks: map SLURM's variables (MASTER_ADDR/PORT come from the script)
-        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
-                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
-    if "RANK" not in os.environ and not mpirun:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    local_rank = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
+    from megagrpo.cluster.placement import launch_env
+
+    launch_env()
+    local_rank = os.environ["LOCAL_RANK"]
     prepare_op_build(clear_lock=local_rank == "0")
-    # under mpirun DeepSpeed's MPI discovery (mpi4py) sets RANK/WORLD_SIZE/LOCAL_RANK and
-    # MASTER_ADDR; it would set MASTER_PORT to its default 29500 unless told the launcher's
     with dropping_known_prints():  # DeepSpeed prints "... built successfully" on every rank
         deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes),
                                    distributed_port=int(os.environ.get("MASTER_PORT", "29500")))

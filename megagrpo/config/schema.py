@@ -218,6 +218,16 @@ class RolloutConfig:
 
     engine: Literal["vllm", "hf"] = "vllm"
     """vllm: a vLLM engine inside each training process; hf: transformers generate."""
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated: every rank trains and generates, one after the other (a vLLM engine inside
+    each training process). disaggregated: the last rollout.ranks ranks of the launch only
+    generate, each block of rollout.tensor_parallel_size of them running one `vllm serve` of
+    the policy, and the others train, sending their weights after every step as to
+    rollout.servers (docs/async.md)."""
+    ranks: int = 0
+    """rollout.placement=disaggregated: how many of the launch's ranks generate (the last ones;
+    a whole number of servers of rollout.tensor_parallel_size ranks, each server's ranks on one
+    node)."""
     servers: list = field(default_factory=list)
     """URLs of `vllm serve` processes started apart from the job (e.g. [http://node7:8000]):
     they generate instead of an engine in each training process, and take the new weights
@@ -225,12 +235,13 @@ class RolloutConfig:
     VLLM_SERVER_DEV_MODE=1, --weight-transfer-config '{"backend": "gloo"}' and
     --logprobs-mode processed_logprobs (docs/async.md)."""
     server_timeout_s: float = 300.0
-    """rollout.servers: how long one request (and the wait for a server to start) may take."""
+    """rollout.servers (and the servers of placement disaggregated): how long one request (and
+    the wait for a server to start) may take."""
     server_retries: int = 3
-    """rollout.servers: a request that gets no answer (or a 5xx) is tried this many more
+    """rollout.servers (and placement disaggregated): a request that gets no answer (or a 5xx) is tried this many more
     times; then the job stops, naming the server."""
     max_staleness: int = 0
-    """rollout.servers: the batches of the next k steps are sampled while the trainer trains
+    """rollout.servers or placement disaggregated: the batches of the next k steps are sampled while the trainer trains
     this one (generation and training overlap); a batch is trained on at most k steps after
     the weights that sampled it. 0: each batch is sampled with the current weights, as the
     co-located engine does. Keep grpo.importance_sampling_correction on with k > 0 (docs/async.md)."""
@@ -239,7 +250,8 @@ class RolloutConfig:
     sharded between them (1/t of the weights and KV cache per rank), all of them sampling.
     Default: parallel.tensor_parallel_size (1 under pipeline parallelism). It must divide the
     trainer's tp or be a multiple of it (a group then pools the prompts of several dp replicas);
-    1 under pipeline parallelism and with engine hf (docs/parallelism.md)."""
+    1 under pipeline parallelism and with engine hf (docs/parallelism.md). With placement
+    disaggregated: each server's tensor parallelism over its generating ranks (default 1)."""
     max_new_tokens: int = 256
     """Longest completion (TRL: max_completion_length)."""
     temperature: float = 1.0
@@ -252,7 +264,8 @@ class RolloutConfig:
     """Extra stop strings (the tokenizer's EOS always stops)."""
     gpu_memory_utilization: float = 0.3
     """On GPU, vLLM's share of accelerator memory for weights and KV cache (on CPU the KV cache
-    is sized by cpu_kv_cache_gb instead)."""
+    is sized by cpu_kv_cache_gb instead). Co-located it shares the device with the trainer;
+    with placement disaggregated the generating ranks hold vLLM alone: raise it (e.g. 0.9)."""
     cpu_kv_cache_gb: float = 0.25
     """On CPU: GiB of RAM vLLM reserves for its KV cache (per rank)."""
     max_model_len: Optional[int] = None

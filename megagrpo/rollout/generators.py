@@ -260,7 +260,11 @@ class HFGenerator:
 
 
 def build_generator(cfg: Config, seed: int):
-    """The generator of rollout.engine, or the servers of rollout.servers (rollout/servers.py)."""
+    """The generator of rollout.engine, or the servers of rollout.servers (rollout/servers.py)
+    or of the generating ranks (rollout/serving.py)."""
+    if cfg.rollout.placement == "disaggregated":
+        from megagrpo.rollout.serving import generator_ranks_client
+        return generator_ranks_client(cfg)
     if cfg.rollout.servers:
         from megagrpo.rollout.servers import ServerGenerator
         return ServerGenerator(cfg, cfg.rollout.servers)

@@ -43,12 +43,7 @@ class Server:
         """Wait for /health (a server may still be starting); then read what it serves."""
         deadline = time.time() + self.timeout_s
         said = False
-        while True:
-            try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
+        while not self.healthy():
             if time.time() > deadline:
                 raise ServerError(f"vLLM server {self.url} did not answer /health within rollout.server_timeout_s "
                                   f"= {self.timeout_s:g} s: is it started, and reachable from this node?")
@@ -63,6 +58,13 @@ class Server:
         except ServerError as e:
             raise ServerError(f"{e}; start the server with VLLM_SERVER_DEV_MODE=1 in its environment (its weight-"
                               "transfer routes; docs/async.md)") from None
+
+    def healthy(self) -> bool:
+        """Whether /health answers 200 now."""
+        try:
+            return requests.get(f"{self.url}/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
 
     def get(self, path: str) -> dict:
         return self._call(requests.get, path, None)
@@ -144,8 +146,10 @@ def address_towards(url: str) -> str:
 class ServerGenerator:
     """The generator interface of rollout/generators.py over `vllm serve` processes."""
 
-    def __init__(self, cfg: Config, urls: list[str], log=lambda line: print(f"[megagrpo] {line}", flush=True)):
-        self.cfg = cfg.rollout
+    def __init__(self, cfg: Config, urls: list[str], log=lambda line: print(f"[megagrpo] {line}", flush=True),
+                 on_close=None):
+        """on_close: called last by close() (the generating ranks' release)."""
+        self.cfg, self.on_close = cfg.rollout, on_close
         r = cfg.rollout
         self.servers = [Server(url, r.server_timeout_s, r.server_retries) for url in urls]
         for server in self.servers:
@@ -176,7 +180,10 @@ class ServerGenerator:
                 "model": server.model, "prompt": prompt_ids[i], "n": n, "seed": seeds[i],
                 "temperature": 0.0 if greedy else r.temperature, "top_p": r.top_p, "top_k": r.top_k,
                 "max_tokens": max_tokens[i] if max_tokens else r.max_new_tokens, "stop": list(r.stop) or None,
-                "logprobs": 0, "return_token_ids": True})
+                "logprobs": 0, "return_token_ids": True,
+                # explicit, so that a server's defaults from its model folder (generation_config.json:
+                # e.g. Qwen2.5-Instruct's repetition_penalty 1.05) do not change what is sampled
+                "repetition_penalty": 1.0, "min_p": 0.0})
             choices = sorted(reply["choices"], key=lambda c: c["index"])
             return [Completion(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"],
                                truncated=c["finish_reason"] == "length") for c in choices]
@@ -225,3 +232,5 @@ class ServerGenerator:
             self.sender.client.shutdown_weight_transfer_engine()
             self.sender = None
         self.pool.shutdown(wait=False)
+        if self.on_close is not None:
+            self.on_close()
