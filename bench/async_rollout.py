@@ -1,7 +1,8 @@
 """Overlap of generation and training: co-located engines against an external `vllm serve` with
-rollout.max_staleness 0, 1 and 2, side by side in one run, 2 trainer ranks each (torchrun).
+rollout.max_staleness 0, 1 and 2, and against a generating rank in the job (rollout.placement
+disaggregated, a third rank) with 0 and 1, side by side in one run, 2 trainer ranks each (torchrun).
 
-    python bench/async_rollout.py --agent-run runs/agent --arith-run runs/tiny [--steps 8]
+    python bench/async_rollout.py --agent-run runs/agent --arith-run runs/tiny [--steps 8] [--tasks single-turn]
 
 Tasks: the agentic quickstart's (AGENT=1 bash launch/quickstart.sh builds runs/agent), its
 `python` tool replaced by a stand-in for a remote API that answers after --tool-wait-s (0.2 s)
@@ -34,8 +35,9 @@ SERVER_ARGS = ("--weight-transfer-config", '{"backend": "gloo"}', "--logprobs-mo
                "--no-enable-chunked-prefill")
 
 
-def train(config: str, run: str, out: str, steps: int, *overrides: str, env=None, evaluate=False) -> list[dict]:
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "--master_port",
+def train(config: str, run: str, out: str, steps: int, *overrides: str, env=None, evaluate=False,
+          ranks: int = 2) -> list[dict]:
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(ranks), "--master_port",
            str(free_port()), "-m", "megagrpo.train", "--config", config, f"model.name_or_path={run}/warm",
            f"data.train_file={run}/data/train.jsonl",
            f"data.eval_file={run}/data/eval.jsonl" if evaluate else "data.eval_file=null", f"output_dir={out}",
@@ -79,8 +81,9 @@ def main():
     p.add_argument("--tool-wait-s", type=float, default=0.2)
     p.add_argument("--work", default="bench/results/async_rollout_runs")
     p.add_argument("--out", default="bench/results/async_rollout.json")
+    p.add_argument("--tasks", nargs="+", default=["agentic", "single-turn"], choices=["agentic", "single-turn"])
     args = p.parse_args()
-    tasks = {
+    tasks = {  # (the keys' first word is what --tasks names)
         "agentic, tool waits": (args.agent_run, "configs/tiny_agent.yaml", args.steps, False,
                                 ["rollout.tools=[{name: bench.remote_tools:python}]"],
                                 {"BENCH_TOOL_WAIT_S": str(args.tool_wait_s)}),
@@ -88,6 +91,8 @@ def main():
     }
     results = []
     for task, (run, config, steps, evaluate, extra, env) in tasks.items():
+        if task.split(",")[0] not in args.tasks:
+            continue
         work = os.path.join(args.work, task.split(",")[0].replace(" ", "_"))
         start = time.perf_counter()
         rows = train(config, run, f"{work}/colocated", steps, *extra, env=env, evaluate=evaluate)
@@ -97,6 +102,10 @@ def main():
                 rows = train(config, run, f"{work}/servers_k{k}", steps, *extra, f"rollout.servers=[{url}]",
                              f"rollout.max_staleness={k}", env=env, evaluate=evaluate)
                 results.append({"task": task, "placement": f"server, max_staleness {k}", **summary(rows)})
+        for k in (0, 1):
+            rows = train(config, run, f"{work}/generating_rank_k{k}", steps, *extra, "rollout.placement=disaggregated",
+                         "rollout.ranks=1", f"rollout.max_staleness={k}", env=env, evaluate=evaluate, ranks=3)
+            results.append({"task": task, "placement": f"generating rank, max_staleness {k}", **summary(rows)})
         print(f"{task}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     base = {r["task"]: r["step_s"] for r in results if r["placement"] == "co-located"}
     header = f"{'task':<22}{'placement':<28}{'s/step':>8}{'vs co-loc':>10}{'trainer idle':>14}" \
