@@ -41,12 +41,14 @@ def report_sinks(report_to) -> list[str]:
 class MetricsLogger:
     """Every metric to every sink of logging.report_to, on the main rank only, from this one
     place: TensorBoard event files (output_dir/tensorboard), output_dir/metrics.jsonl (one JSON
-    object per logged step: {"step": N, name: value, ...}; a resumed run appends), and W&B
-    (project, run name and tags from logging.*, the resolved config as the run's config). Every
-    sink gets the same names and steps."""
+    object per logged step: {"step": N, name: value, ...}), and W&B (project, run name and
+    tags from logging.*, the resolved config as the run's config; its id kept in
+    output_dir/wandb_run_id, so a resumed run continues it). Every sink gets the same names and
+    steps; a resumed run first drops what came after its checkpoint (resumed_at)."""
 
     def __init__(self, output_dir: str, logging_cfg, enabled: bool, config: Optional[dict] = None):
         sinks = logging_cfg.report_to if enabled else []
+        self.enabled = enabled
         self.output_dir, self.log_dir = output_dir, os.path.join(output_dir, "tensorboard")
         self.writer = self.jsonl = self.wandb = None
         if "tensorboard" in sinks:
@@ -57,6 +59,23 @@ class MetricsLogger:
             self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a")
         if "wandb" in sinks:
             self.wandb = _start_wandb(output_dir, logging_cfg, config)
+
+    def resumed_at(self, step: int) -> None:
+        """The run resumed from its step-`step` checkpoint: what the killed attempt logged after
+        that step goes, so that no step appears twice: metrics.jsonl and the run's other logs
+        cut back (cut_logs_after), TensorBoard's later events purged from view (purge_step).
+        W&B keeps the steps it has and takes the run from past them. Main rank only."""
+        if not self.enabled:
+            return
+        if self.jsonl:
+            self.jsonl.close()
+        cut_logs_after(self.output_dir, step)
+        if self.jsonl:
+            self.jsonl = open(os.path.join(self.output_dir, "metrics.jsonl"), "a")
+        if self.writer:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer.close()
+            self.writer = SummaryWriter(self.log_dir, purge_step=step + 1)
 
     def scalars(self, step: int, values: dict) -> None:
         values = {name: float(value) for name, value in values.items()}
@@ -89,12 +108,48 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+RUN_LOGS = ("metrics.jsonl", "eval_history.jsonl", "prompts_seen.jsonl")
+"""The run's append-only logs in output_dir, one JSON object with a "step" per line."""
+
+
+def cut_logs_after(output_dir: str, step: int) -> None:
+    """Keep the rows of each of RUN_LOGS up to `step` (a resumed run logs the later ones again),
+    and drop a last line torn by a kill mid-write. Rewritten whole, then renamed over."""
+    for name in RUN_LOGS:
+        path = os.path.join(output_dir, name)
+        if not os.path.isfile(path):
+            continue
+        kept = []
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn line: the attempt was killed while writing it
+                if row.get("step", 0) <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
 def _start_wandb(output_dir: str, logging_cfg, config: Optional[dict]):
-    """A W&B run in output_dir/wandb; WANDB_MODE (online, offline, disabled) as the user sets it."""
+    """A W&B run in output_dir/wandb; WANDB_MODE (online, offline, disabled) as the user sets it.
+    Its id is kept in output_dir/wandb_run_id: a run started again in the same output_dir (a
+    resume) continues the same W&B run."""
     import wandb
+    id_file = os.path.join(output_dir, "wandb_run_id")
+    os.makedirs(output_dir, exist_ok=True)
+    if os.path.isfile(id_file):
+        with open(id_file) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = wandb.util.generate_id()
+        with open(id_file, "w") as f:
+            f.write(run_id + "\n")
     try:
-        return wandb.init(project=logging_cfg.wandb_project, dir=output_dir, config=config,
-                          name=logging_cfg.run_name or os.path.basename(os.path.normpath(output_dir)),
+        return wandb.init(project=logging_cfg.wandb_project, dir=output_dir, config=config, id=run_id,
+                          resume="allow", name=logging_cfg.run_name or os.path.basename(os.path.normpath(output_dir)),
                           tags=list(logging_cfg.wandb_tags) or None)
     except Exception as e:  # noqa: BLE001 - wandb raises its own errors (no login, no network)
         raise ConfigError(f"logging.report_to has wandb, but W&B could not start ({type(e).__name__}: {e}); "

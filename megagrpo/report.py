@@ -55,11 +55,23 @@ def read_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     return {k: sorted(v.items()) for k, v in series.items()}
 
 
-def _jsonl(path: str) -> list[dict]:
+def _jsonl(path: str, warn=lambda line: print(line, file=sys.stderr)) -> list[dict]:
+    """Its rows. A last line that does not parse (a run killed while writing it; the next
+    attempt cuts it) is skipped, saying so; a bad line before the last is an error naming it."""
     if not os.path.isfile(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for number, line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number != lines[-1][0]:
+                raise ReportError(f"{path}, line {number}: not JSON ({e}); only the last line may be torn") from None
+            warn(f"megagrpo report: skipped the last line of {path} (line {number}): torn, the run was "
+                 "killed while writing it")
+    return rows
 
 
 def sandbox_lines(metrics: dict) -> list[str]:

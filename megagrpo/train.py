@@ -76,8 +76,7 @@ class Trainer:
         # vLLM's start-up runs five full garbage collections (then freezes the heap itself):
         # with the trainer's objects frozen first, each takes milliseconds instead of 0.4 s
         gc.freeze()
-        # every rank builds its generator shard (vLLM's external launcher forms its groups over
-        # all ranks); the ranks of a generator group make the same calls (rollout/generator_group.py)
+        # every rank builds its generator (shard); a generator group's ranks make the same calls
         self.generator_group = GeneratorGroup(topology, engine_tp(cfg))
         self.stack.start_generator(seed=g.seed + topology.generator_ranks()[0],
                                    run_once=self.generator_group.run_once)
@@ -278,6 +277,7 @@ class Trainer:
                                   self.topo, self.log)
         if state is not None:
             self.step = state["step"]
+            self.metrics.resumed_at(self.step)  # what the killed attempt logged after it goes
             self.sampler.load_state_dict(state["sampler"])
             ahead = checkpoint.load_rollouts_ahead(state, self.topo.rank, self.cfg.rollout.max_staleness)
             if self.ahead is not None:

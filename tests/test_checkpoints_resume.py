@@ -34,6 +34,13 @@ def _prompts_by_step(out):
     return {step: rounds[0] if len(rounds) == 1 else rounds for step, rounds in seen.items()}
 
 
+def _losses(out):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars("train/loss")]
+
+
 def _wait_for(condition, timeout, proc):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -57,10 +64,13 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
                  "grpo.dynamic_sampling=true", "grpo.sync_ref_model=true", "grpo.ref_model_sync_steps=2",
                  "grpo.ref_model_mixup_alpha=0.5", "grpo.learning_rate=1e-3"],
              "lora": ["model.lora.r=8", "grpo.learning_rate=1e-3"]}[variant]
+    wandb = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    if variant == "mu1":  # every sink: the resumed attempt continues the same W&B run
+        extra = extra + ["logging.report_to=[tensorboard,jsonl,wandb]"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run(_command(tiny, straight, extra))
+    run(_command(tiny, straight, extra), env=wandb)
 
-    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", **wandb}
     with open(tmp_path / "killed.log", "w") as log:
         proc = subprocess.Popen(_command(tiny, killed, extra), cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -70,8 +80,20 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
         signal_job(proc.pid, signal.SIGKILL)  # the launcher and every rank, as a lost node
         proc.wait()
     assert not (killed / "hf").exists()
-    resumed = run(_command(tiny, killed, extra))
+    resumed = run(_command(tiny, killed, extra), env=wandb)
     assert "at step 3" in resumed.stdout
+    # the sinks: what the killed attempt logged after step 3 was dropped, so no step appears twice
+    logged = [json.loads(line) for line in open(killed / "metrics.jsonl")]
+    assert [row["step"] for row in logged if "train/loss" in row] == [1, 2, 3, 4, 5, 6]
+    assert [row["train/loss"] for row in logged if "train/loss" in row] == [
+        json.loads(line)["train/loss"] for line in open(straight / "metrics.jsonl") if "train/loss" in line]
+    assert _losses(killed) == _losses(straight)  # TensorBoard: the later events purged from view
+    if variant != "dynamic_sampling_moving_reference":
+        assert [json.loads(line)["step"] for line in open(killed / "prompts_seen.jsonl")] == [1, 2, 3, 4, 5, 6]
+    if variant == "mu1":
+        runs = sorted(p.name for p in (killed / "wandb").glob("offline-run-*"))
+        run_id = (killed / "wandb_run_id").read_text().strip()
+        assert len(runs) == 2 and all(name.split("-")[3] == run_id for name in runs), (runs, run_id)
     if variant == "dynamic_sampling_moving_reference":
         assert (killed / "checkpoints" / "step_00000003" / "reference_rank1.pt").is_file()
 

@@ -121,6 +121,25 @@ def test_report_without_metrics_names_the_fix(tmp_path):
     assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_report_skips_a_torn_last_line_and_names_a_bad_one(logged_run, tmp_path):
+    """A run killed while writing metrics.jsonl leaves its last line torn: the report skips it
+    and says so; a bad line before the last is an error naming its line."""
+    from megagrpo.report import ReportError, _jsonl, read_metrics
+
+    out, _ = logged_run
+    rows = open(out / "metrics.jsonl").read()
+    (tmp_path / "metrics.jsonl").write_text(rows + '{"step": 5, "train/lo')
+    warnings = []
+    assert _jsonl(str(tmp_path / "metrics.jsonl"), warn=warnings.append) == [
+        json.loads(line) for line in rows.splitlines()]
+    assert len(warnings) == 1 and f"skipped the last line of {tmp_path / 'metrics.jsonl'}" in warnings[0]
+    assert read_metrics(str(tmp_path))["train/loss"] == read_metrics(str(out))["train/loss"]
+    lines = rows.splitlines()
+    (tmp_path / "metrics.jsonl").write_text("\n".join([lines[0], '{"step": 1, "tra', *lines[1:]]) + "\n")
+    with pytest.raises(ReportError, match=r"metrics.jsonl, line 2: not JSON"):
+        read_metrics(str(tmp_path))
+
+
 def test_report_to_names_are_checked(tiny, tmp_path):
     from megagrpo.config.schema import ConfigError
     from megagrpo.validation import load_config
@@ -130,3 +149,18 @@ def test_report_to_names_are_checked(tiny, tmp_path):
     assert load_config("configs/tiny_arith.yaml", base).logging.report_to == ["tensorboard", "jsonl"]
     with pytest.raises(ConfigError, match="unknown sink 'mlflow'"):
         load_config("configs/tiny_arith.yaml", base + ["report_to=[tensorboard,mlflow]"])
+
+
+def test_a_resume_cuts_the_run_logs_back_to_its_checkpoint(tmp_path):
+    """cut_logs_after: the rows after the resumed step go from each run log, and a torn last
+    line with them; the rest is kept byte for byte."""
+    from megagrpo.metrics import cut_logs_after
+
+    metrics = [{"step": 0, "startup/total_s": 9.5}, *({"step": s, "train/loss": s / 10} for s in range(1, 6))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics) + '{"step": 6, "tr')
+    (tmp_path / "prompts_seen.jsonl").write_text("".join(json.dumps({"step": s, "prompts": [s]}) + "\n"
+                                                         for s in range(1, 5)))
+    cut_logs_after(str(tmp_path), 3)
+    assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == metrics[:4]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "prompts_seen.jsonl")] == [1, 2, 3]
+    assert not (tmp_path / "eval_history.jsonl").exists()
