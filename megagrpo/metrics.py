@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import time
 import warnings
@@ -144,7 +145,7 @@ def _start_wandb(output_dir: str, logging_cfg, config: Optional[dict]):
         with open(id_file) as f:
             run_id = f.read().strip()
     else:
-        run_id = wandb.util.generate_id()
+        run_id = secrets.token_hex(4)  # (W&B's own ids: 8 characters of [a-z0-9])
         with open(id_file, "w") as f:
             f.write(run_id + "\n")
     try:
