@@ -3,9 +3,11 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -182,11 +184,24 @@ def work_tree_status() -> tuple[set[str] | None, str]:
 _STATUS_AT_START: list = []  # [(lines or None, why)] once the session has started
 
 
+SESSION_HOME_VARS = {"XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config", "HF_HOME": "huggingface",
+                     "WANDB_CONFIG_DIR": "wandb-config", "WANDB_CACHE_DIR": "wandb-cache",
+                     "WANDB_DATA_DIR": "wandb-data", "MPLCONFIGDIR": "matplotlib"}
+"""What the tests' processes would write under the user's home (the HF, vLLM and W&B caches and
+configs, matplotlib's, Chromium's dconf): a folder of the session instead (HOME stays: sshd and
+pdsh need its keys)."""
+_SESSION_HOME: list = []  # that folder, removed at the session's end
+
+
 def pytest_sessionstart(session):
     """Note the work tree's state: the suite must not leave files in it (tests write under
-    tmp_path; see pytest_sessionfinish)."""
+    tmp_path; see pytest_sessionfinish). Point the caches and configs at the session's folder."""
     if not hasattr(session.config, "workerinput"):  # once, in the controlling process
         _STATUS_AT_START.append(work_tree_status())
+    home = tempfile.mkdtemp(prefix="megagrpo-tests-home-")
+    _SESSION_HOME.append(home)
+    for var, folder in SESSION_HOME_VARS.items():
+        os.environ[var] = os.path.join(home, folder)
 
 
 def _check_work_tree(session) -> None:
@@ -232,6 +247,8 @@ def pytest_sessionfinish(session, exitstatus):
     all-reduce files left by ranks killed before they unlinked them (only old ones: a job
     starting elsewhere needs its files until all its ranks have mapped them)."""
     _check_work_tree(session)
+    for home in _SESSION_HOME:
+        shutil.rmtree(home, ignore_errors=True)
     shm = "/dev/shm"
     if os.path.isdir(shm):
         for name in os.listdir(shm):

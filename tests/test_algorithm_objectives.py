@@ -10,13 +10,12 @@ from collections import defaultdict
 
 import pytest
 import torch
+from trl.trainer import grpo_trainer as trl_trainer  # the test extras install it: a failed import fails
 
 from megagrpo.algorithm import grpo
 from megagrpo.algorithm.loss import LossInputs, micro_batch_loss
 from megagrpo.config.schema import GRPOConfig
 from megagrpo.config.validation import check_objective
-
-trl_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
 
 B, T = 6, 9
 

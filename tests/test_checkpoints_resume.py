@@ -113,6 +113,14 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
         assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
         saved = sum(f.stat().st_size for f in (killed / "checkpoints" / "step_00000003").iterdir())
         assert saved < os.path.getsize(os.path.join(tiny["warm"], "model.safetensors")), saved  # no base weights
+        # on another number of dp ranks (the same global batch) it is refused, saying what to do
+        step3 = killed / "checkpoints" / "step_00000003"
+        one_rank = _command(tiny, tmp_path / "dp1", extra)
+        refused = run([sys.executable, "-m", "megagrpo.train", *one_rank[one_rank.index("--config"):],
+                       "grpo.per_device_train_batch_size=32", f"checkpoint.resume={step3}"], check=False)
+        assert refused.returncode != 0 and (f"checkpoint '{step3}' is a LoRA checkpoint saved with dp=2; re-sharding "
+                                            "one to dp=1 is not supported: resume with the same number of ranks"
+                                            ) in refused.stderr, refused.stderr[-2000:]
     a = load_file(str(straight / "hf" / "model.safetensors"))
     b = load_file(str(killed / "hf" / "model.safetensors"))
     start = load_file(os.path.join(tiny["warm"], "model.safetensors"))

@@ -1,4 +1,5 @@
 """Config: YAML + overrides, aliases, and the start-up errors (key, value, fix)."""
+import json
 import os
 import sys
 
@@ -94,6 +95,17 @@ def test_missing_files(tiny, tmp_path):
         load_config("configs/tiny_arith.yaml", base + ["deepspeed=configs/none.json"])
     with pytest.raises(ConfigError, match=r"config file 'nope.yaml' does not exist"):
         load_config("nope.yaml", [])
+
+
+@pytest.mark.parametrize("model_type,key", [("qwen3_moe", "num_experts"), ("mixtral", "num_local_experts")])
+def test_mixture_of_experts_models_are_refused(tiny, tmp_path, model_type, key):
+    model = tmp_path / model_type
+    model.mkdir()
+    config = json.load(open(os.path.join(tiny["warm"], "config.json")))
+    (model / "config.json").write_text(json.dumps({**config, "model_type": model_type, key: 8}))
+    with pytest.raises(ConfigError, match=rf"is a mixture-of-experts model \({model_type}, {key}=8\); megagrpo "
+                                          "trains dense models only"):
+        load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [f"model.name_or_path={model}"])
 
 
 def test_cli_reports_config_error_before_building_anything(tiny, tmp_path):

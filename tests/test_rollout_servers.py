@@ -6,6 +6,7 @@ same completions, so the same losses, held-out scores and parameters. A server t
 mid-run stops the job, naming its URL, with the last checkpoint intact."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -179,7 +180,9 @@ def test_server_settings_refused_with_the_fix(tiny, tmp_path):
 def test_generating_ranks_in_the_job_equal_colocated(tiny, tmp_path, colocated):
     """rollout.placement=disaggregated: 3 ranks through torchrun, ranks 0-1 train (ZeRO-3) in a
     world of their own and rank 2 runs the job's vLLM server; the run equals the co-located one,
-    and the server is gone with the job. A server that cannot start stops the job, naming its log."""
+    and the server is gone with the job. A server that cannot start stops the job, naming its log;
+    a generating rank SIGKILLed mid-run ends the job non-zero within 60 s, naming the rank, and
+    its server goes with it."""
     out = tmp_path / "disaggregated"
     proc = run([*torchrun(3, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, out), *COMMON, "rollout.placement=disaggregated", "rollout.ranks=1"],
@@ -198,6 +201,34 @@ def test_generating_ranks_in_the_job_equal_colocated(tiny, tmp_path, colocated):
     assert failed.returncode != 0
     assert "megagrpo: error on rank 2: generator server 0 (http://" in failed.stderr, failed.stderr[-3000:]
     assert "vllm_server_0.log" in failed.stderr
+
+    # the generating rank SIGKILLed after the first checkpoint (a lost process, not a clean exit)
+    dying = tmp_path / "dying"
+    job = subprocess.Popen(
+        [*torchrun(3, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, dying),
+         "grpo.max_steps=40", "checkpoint.save_steps=1", "data.eval_file=null", "rollout.placement=disaggregated",
+         "rollout.ranks=1"], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (dying / "checkpoints" / "step_00000001").exists():
+            assert job.poll() is None and time.time() < deadline, job.communicate()[0][-3000:]
+            time.sleep(0.5)
+        generating = next(p for p in psutil.Process(job.pid).children(recursive=True)
+                          if "megagrpo.train" in " ".join(p.cmdline()) and p.environ().get("RANK") == "2")
+        server = [p for p in generating.children(recursive=True)]
+        assert server and "api_server" in " ".join(server[0].cmdline())
+        generating.send_signal(signal.SIGKILL)
+        killed = time.time()
+        out, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0 and time.time() - killed < 60, out[-3000:]
+    assert re.search(r"rank\s*: 2 \(local_rank: 2\)\s+exitcode\s*: -9", out), out[-3000:]
+    psutil.wait_procs(server, timeout=60)
+    left = [p for p in server if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"the server outlived its rank: {left}"
 
 
 def test_disaggregated_settings_refused_with_the_fix(tiny, tmp_path, monkeypatch):
