@@ -16,7 +16,7 @@ import psutil
 import pytest
 import requests
 import torch
-from conftest import ROOT, run, tiny_overrides, torchrun
+from conftest import ROOT, run, signal_job, tiny_overrides, torchrun
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -84,28 +84,42 @@ def _metrics(out, key):
 @pytest.mark.multirank
 def test_sampled_ahead_with_staleness_bounded_and_resumed_exactly(tiny, tmp_path, server):
     """rollout.max_staleness=1: the batch of step t+1 is sampled while step t trains. Every batch
-    after the first is one step old (never more), and a run resumed from its step-2 checkpoint
-    (which holds the batch sampled for step 3) trains on the same tokens as the run that went on."""
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    ahead = ["rollout.max_staleness=1", f"rollout.servers=[{server}]", "grpo.max_steps=4", "data.eval_file=null",
-             "grpo.importance_sampling_correction=token_truncate"]
-    _train(tiny, whole, *ahead, "checkpoint.save_steps=2")
-    assert _metrics(whole, "train/rollout/staleness") == [0, 1, 1, 1]
+    after the first is one step old (never more), and the run SIGKILLed after its step-2
+    checkpoint (which holds the batch sampled for step 3) and started again trains on the same
+    tokens as the run that was not killed, its logs holding each step once."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    ahead = ["rollout.max_staleness=1", f"rollout.servers=[{server}]", "grpo.max_steps=6", "data.eval_file=null",
+             "grpo.importance_sampling_correction=token_truncate", "checkpoint.save_steps=2"]
+    _train(tiny, whole, *ahead)
+    assert _metrics(whole, "train/rollout/staleness") == [0, 1, 1, 1, 1, 1]
     assert max(_metrics(whole, "train/rollout/staleness_max")) == 1
-    checkpoint = whole / "checkpoints" / "step_00000002"
+
+    command = [*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
+               *tiny_overrides(tiny, killed), *COMMON, *ahead]
+    job = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    latest, seen = killed / "checkpoints" / "latest", killed / "prompts_seen.jsonl"
+    deadline = time.time() + 300
+    while not (latest.is_file() and latest.read_text() == "step_00000002" and seen.is_file()
+               and '"step": 3' in seen.read_text()):
+        assert job.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.1)
+    signal_job(job.pid, signal.SIGKILL)  # the launcher and both ranks
+    job.wait()
+    checkpoint = killed / "checkpoints" / "step_00000002"
     assert sorted(p.name for p in checkpoint.glob("rollouts_ahead_rank*.pt")) == [
         "rollouts_ahead_rank0.pt", "rollouts_ahead_rank1.pt"]
-    _train(tiny, resumed, *ahead, "checkpoint.save_steps=0", f"checkpoint.resume={checkpoint}")
-    assert _scalars(resumed, "train/loss") == _scalars(whole, "train/loss")[2:]
-    assert _metrics(resumed, "train/rollout/staleness") == [1, 1]
-    a, b = load_file(str(whole / "hf" / "model.safetensors")), load_file(str(resumed / "hf" / "model.safetensors"))
+    resumed = run(command, timeout=600)
+    assert "at step 2" in resumed.stdout
+    assert _metrics(killed, "train/loss") == _metrics(whole, "train/loss")  # each step once, the same values
+    assert _metrics(killed, "train/rollout/staleness") == [0, 1, 1, 1, 1, 1]
+    a, b = load_file(str(whole / "hf" / "model.safetensors")), load_file(str(killed / "hf" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    seen = [json.loads(line)["prompts"] for line in open(whole / "prompts_seen.jsonl")]
-    assert [json.loads(line)["prompts"] for line in open(resumed / "prompts_seen.jsonl")] == seen[2:]
+    assert (killed / "prompts_seen.jsonl").read_text() == (whole / "prompts_seen.jsonl").read_text()
     # the same checkpoint resumed without sampling ahead is refused (its sampler is past the saved batch)
     refused = run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
                    *tiny_overrides(tiny, tmp_path / "refused"), *COMMON, f"rollout.servers=[{server}]",
-                   "grpo.max_steps=4", f"checkpoint.resume={checkpoint}"], check=False, timeout=600)
+                   "grpo.max_steps=6", f"checkpoint.resume={checkpoint}"], check=False, timeout=600)
     assert refused.returncode != 0 and "resume it with rollout.max_staleness > 0" in refused.stderr
 
 
