@@ -116,7 +116,9 @@ def test_sampled_ahead_with_staleness_bounded_and_resumed_exactly(tiny, tmp_path
     a, b = load_file(str(whole / "hf" / "model.safetensors")), load_file(str(killed / "hf" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert (killed / "prompts_seen.jsonl").read_text() == (whole / "prompts_seen.jsonl").read_text()
-    # the same checkpoint resumed without sampling ahead is refused (its sampler is past the saved batch)
+    # a checkpoint with a batch ahead resumed without sampling ahead is refused (its sampler is past
+    # the saved batch); step 2's was pruned (checkpoint.keep_last), step 4's holds step 5's batch
+    checkpoint = killed / "checkpoints" / "step_00000004"
     refused = run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
                    *tiny_overrides(tiny, tmp_path / "refused"), *COMMON, f"rollout.servers=[{server}]",
                    "grpo.max_steps=6", f"checkpoint.resume={checkpoint}"], check=False, timeout=600)
