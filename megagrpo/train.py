@@ -22,8 +22,8 @@ import torch
 from megagrpo import evaluation
 from megagrpo.algorithm import grpo
 from megagrpo.checkpoints import checkpoint
-from megagrpo.cluster.distributed import all_gather_1d, init_distributed
-from megagrpo.cluster.placement import Placement, engine_tp, launch_env
+from megagrpo.cluster.distributed import all_gather_1d, init_distributed, launch_env
+from megagrpo.cluster.placement import Placement, engine_tp
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.loading import to_dict
 from megagrpo.config.schema import Config, ConfigError
@@ -83,7 +83,8 @@ class Trainer:
         self.generator = self.stack.generator
         # rollout.max_staleness: the next steps' batches sampled while this one trains (rollout/ahead.py)
         self.ahead = RolloutsAhead(self.sampler.next_indices, ahead_sampler(self.stack, g, topology.generates),
-                                   cfg.rollout.max_staleness, self.total_steps) if cfg.rollout.max_staleness else None
+                                   cfg.rollout.max_staleness, self.total_steps,
+                                   cfg.rollout.partial_rollouts) if cfg.rollout.max_staleness else None
         startup.lap("generator")
         self.metrics = MetricsLogger(cfg.output_dir, cfg.logging, topology.is_main, to_dict(cfg))
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")

@@ -127,6 +127,29 @@ def test_sampled_ahead_with_staleness_bounded_and_resumed_exactly(tiny, tmp_path
 
 @pytest.mark.daemons
 @pytest.mark.multirank
+def test_partial_rollouts_go_on_across_a_weight_update(tiny, tmp_path, server):
+    """rollout.partial_rollouts on the random tiny model, which seldom stops before
+    max_new_tokens, so the batch sampled ahead is still generating when the weights change: its
+    requests pause and go on with the new weights, each token tagged with the weights that
+    sampled it (the older first), and staleness counts the oldest token, within 1."""
+    out = tmp_path / "partial"
+    _train(tiny, out, f"rollout.servers=[{server}]", f"model.name_or_path={tiny['model']}", "rollout.max_staleness=1",
+           "rollout.partial_rollouts=true", "rollout.max_new_tokens=128", "grpo.max_steps=4", "data.eval_file=null",
+           "checkpoint.save_steps=2", "grpo.importance_sampling_correction=token_truncate")
+    shares = _metrics(out, "train/rollout/partial_token_share")
+    assert len(shares) == 4 and max(shares) > 0, shares  # a batch lived through an update
+    assert _metrics(out, "train/rollout/staleness") == [0, 1, 1, 1]
+    # the batch of step 3, sampled ahead across the step-2 update and saved with the checkpoint
+    (batch,) = torch.load(out / "checkpoints" / "step_00000002" / "rollouts_ahead_rank0.pt", weights_only=False)
+    completions = [c for group in batch.groups for c in group]
+    for c in completions:
+        assert len(c.versions) == len(c.token_ids) == len(c.logprobs)
+        assert c.versions == sorted(c.versions) and set(c.versions) <= {batch.version, batch.version + 1}
+    assert any(len(set(c.versions)) == 2 for c in completions), [set(c.versions) for c in completions]
+
+
+@pytest.mark.daemons
+@pytest.mark.multirank
 def test_server_run_equals_colocated_and_a_dead_server_stops_the_job(tiny, tmp_path, server, colocated):
     served = tmp_path / "served"
     url = server

@@ -44,8 +44,6 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
     ranks apart, the trainers' world: cluster/placement.py)."""
     import deepspeed
 
-    from megagrpo.cluster.placement import launch_env
-
     launch_env()
     local_rank = os.environ["LOCAL_RANK"]
     prepare_op_build(clear_lock=local_rank == "0")
@@ -57,6 +55,23 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
     if torch.cuda.is_available():
         torch.cuda.set_device(topology.local_rank)
     return topology
+
+
+def launch_env() -> None:
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in the environment, whichever
+    launcher started this process: deepspeed and torchrun set them; srun's are mapped (its
+    MASTER_ADDR/PORT come from our script); under mpirun DeepSpeed's MPI discovery (mpi4py)
+    finds them and rank 0's address; a plain process is a world of one."""
+    if "OMPI_COMM_WORLD_RANK" in os.environ and "RANK" not in os.environ:
+        from deepspeed.comm.comm import mpi_discovery
+        mpi_discovery(distributed_port=int(os.environ.get("MASTER_PORT", "29500")), verbose=False)
+    if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.setdefault("LOCAL_RANK", "0")
 
 
 def prepare_op_build(clear_lock: bool = True) -> None:

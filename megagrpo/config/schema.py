@@ -219,15 +219,13 @@ class RolloutConfig:
     engine: Literal["vllm", "hf"] = "vllm"
     """vllm: a vLLM engine inside each training process; hf: transformers generate."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
-    """colocated: every rank trains and generates, one after the other (a vLLM engine inside
-    each training process). disaggregated: the last rollout.ranks ranks of the launch only
-    generate, each block of rollout.tensor_parallel_size of them running one `vllm serve` of
-    the policy, and the others train, sending their weights after every step as to
-    rollout.servers (docs/async.md)."""
+    """colocated: every rank trains and generates, one after the other (a vLLM engine in each
+    training process). disaggregated: the launch's last rollout.ranks ranks only generate (one
+    `vllm serve` per rollout.tensor_parallel_size of them), the others train and send their
+    weights after every step, as to rollout.servers (docs/async.md)."""
     ranks: int = 0
-    """rollout.placement=disaggregated: how many of the launch's ranks generate (the last ones;
-    a whole number of servers of rollout.tensor_parallel_size ranks, each server's ranks on one
-    node)."""
+    """rollout.placement=disaggregated: how many of the launch's ranks generate (the last ones: whole
+    servers of rollout.tensor_parallel_size ranks, each server's ranks on one node)."""
     servers: list = field(default_factory=list)
     """URLs of `vllm serve` processes started apart from the job (e.g. [http://node7:8000]):
     they generate instead of an engine in each training process, and take the new weights
@@ -245,6 +243,10 @@ class RolloutConfig:
     this one (generation and training overlap); a batch is trained on at most k steps after
     the weights that sampled it. 0: each batch is sampled with the current weights, as the
     co-located engine does. Keep grpo.importance_sampling_correction on with k > 0 (docs/async.md)."""
+    partial_rollouts: bool = False
+    """With rollout.max_staleness > 0: at a weight update the requests in flight pause and go on
+    with the new weights (vLLM's pause mode keep) instead of finishing first, so no update waits
+    for the longest generation; each token keeps its weights' version and sampler log-prob."""
     tensor_parallel_size: Optional[int] = None
     """vLLM tensor parallelism: each group of this many consecutive ranks holds one engine
     sharded between them (1/t of the weights and KV cache per rank), all of them sampling.

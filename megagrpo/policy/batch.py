@@ -22,6 +22,8 @@ class Completion:
     logprobs: list[float]
     truncated: bool  # stopped by max_new_tokens, not by EOS or a stop string
     model_mask: Optional[list[int]] = None  # 1 where the model sampled the token (0: tool message); None: all
+    versions: Optional[list[int]] = None  # per token, the training steps in the weights that sampled it
+    # (rollout.partial_rollouts; None: all of one version)
 
 
 _FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")

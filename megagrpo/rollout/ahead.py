@@ -4,6 +4,10 @@ servers hold, so generation and training overlap. Before the weights change, eve
 flight is finished (`settle`), so a batch is sampled with one version of the weights, and it is
 trained on at most k steps after that version (its staleness; checked on every batch).
 
+With rollout.partial_rollouts the batches in flight are not waited for: the servers pause
+them through the update and they go on with the new weights, each token tagged with its
+weights' version (rollout/servers.py); a batch's staleness is then its oldest token's.
+
 Which prompts and seeds a step gets does not change: the sampler draws each step's prompts in
 order, and a prompt's seeds are those of its step (generators.sampling_seed). The batches
 sampled ahead at a checkpoint are saved with it, so a resumed run trains on the same tokens.
@@ -41,10 +45,13 @@ class StalenessError(RuntimeError):
 
 class RolloutsAhead:
     def __init__(self, draw: Callable[[], list], sample: Callable[[int, list], list], max_staleness: int,
-                 last_step: int):
+                 last_step: int, partial: bool = False):
         """draw() -> the next step's prompt indices; sample(step, indices) -> its groups (run on
-        the side thread: no collectives)."""
+        the side thread: no collectives). partial (rollout.partial_rollouts): batches in flight
+        go on across a weight update (settle does not wait for them), their tokens tagged with
+        the weights that sampled each."""
         self.draw, self.sample, self.k, self.last_step = draw, sample, max_staleness, last_step
+        self.partial = partial
         self.batches: dict[int, Future] = {}
         self.side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts-ahead")
         self.largest_staleness = 0
@@ -60,14 +67,19 @@ class RolloutsAhead:
         start = time.perf_counter()
         batch = self.batches.pop(step).result()
         waited = time.perf_counter() - start
-        staleness = step - batch.version
+        # per token where the servers tagged them (partial rollouts): the oldest is the batch's
+        versions = [v for group in batch.groups or [] for c in group for v in (c.versions or [])]
+        oldest = min(versions, default=batch.version)
+        staleness = step - oldest
         if not 0 <= staleness <= self.k:  # the bound this whole module exists to keep
-            raise StalenessError(f"step {step}: its batch was sampled with the weights of step {batch.version}, "
+            raise StalenessError(f"step {step}: its batch was sampled with the weights of step {oldest}, "
                                  f"{staleness} steps old, beyond rollout.max_staleness={self.k}")
         self.largest_staleness = max(self.largest_staleness, staleness)
         self.last = {"rollout/staleness": staleness, "rollout/staleness_max": self.largest_staleness,
                      "rollout/wait_s": waited, "rollout/sampling_s": batch.seconds,
                      "rollout/batches_ahead": len(self.batches)}
+        if self.partial:  # the share of its tokens sampled after a weight update it lived through
+            self.last["rollout/partial_token_share"] = sum(v > oldest for v in versions) / max(1, len(versions))
         return batch
 
     def _sample(self, step: int, indices: list, version: int) -> AheadBatch:
@@ -77,7 +89,10 @@ class RolloutsAhead:
 
     def settle(self) -> None:
         """Wait for every batch in flight, on every rank (collective): then the generators'
-        weights may change, and no batch is sampled with two versions of them."""
+        weights may change, and no batch is sampled with two versions of them. Partial
+        rollouts: nothing to wait for (the servers pause the batches in flight)."""
+        if self.partial:
+            return
         for batch in self.batches.values():
             batch.result()
         if torch.distributed.is_initialized():

@@ -16,6 +16,7 @@ docs/async.md.
 """
 from __future__ import annotations
 
+import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -95,13 +96,49 @@ class Server:
                           f"rollout.server_timeout_s {self.timeout_s:g} s each): {error}")
 
 
+    def stream_completions(self, body: dict, version) -> list[Completion]:
+        """A completion request streamed (rollout.partial_rollouts): its choices, each token
+        tagged with version() as it arrives. The servers are paused through a weight update, so
+        a token sampled before an update arrives before it ends, and one sampled after it after."""
+        error = None
+        for attempt in range(1 + self.retries):
+            if attempt:
+                time.sleep(min(2 ** attempt, 10))
+            ids, logprobs, versions, finish = {}, {}, {}, {}
+            try:
+                with requests.post(f"{self.url}/v1/completions", json={**body, "stream": True}, stream=True,
+                                   timeout=self.timeout_s) as reply:
+                    if reply.status_code >= 400:
+                        error = f"HTTP {reply.status_code}: {reply.text[:500]}"
+                        if reply.status_code < 500:
+                            break
+                        continue
+                    for line in reply.iter_lines():
+                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                            continue
+                        for choice in json.loads(line[6:])["choices"]:
+                            i = choice["index"]
+                            ids.setdefault(i, []).extend(choice["token_ids"])
+                            logprobs.setdefault(i, []).extend(choice["logprobs"]["token_logprobs"])
+                            versions.setdefault(i, []).extend([version()] * len(choice["token_ids"]))
+                            finish[i] = choice["finish_reason"] or finish.get(i)
+                return [Completion(ids.get(i, []), logprobs.get(i, []), finish.get(i) == "length",
+                                   versions=versions.get(i, [])) for i in range(body["n"])]
+            except requests.RequestException as e:
+                error = f"{type(e).__name__}: {e}"
+        raise ServerError(f"vLLM server {self.url} failed /v1/completions (streamed; {1 + self.retries} tries, "
+                          f"rollout.server_timeout_s {self.timeout_s:g} s each): {error}")
+
+
 class ServerFleet:
     """vLLM's weight-sync client protocol (the four calls of HTTPVLLMWeightSyncClient) over
     several servers at once: each server's workers join the one transfer group after those of
     the servers before it."""
 
-    def __init__(self, servers: list[Server]):
-        self.servers = servers
+    def __init__(self, servers: list[Server], pause_mode: str = "wait"):
+        """pause_mode: wait (requests in flight finish before the update) or keep (they stop
+        where they are and go on with the new weights: rollout.partial_rollouts)."""
+        self.servers, self.pause_mode = servers, pause_mode
         self.world_size = sum(s.workers for s in servers)
 
     def _each(self, call) -> None:
@@ -118,9 +155,9 @@ class ServerFleet:
             "init_info": {**init_info, "rank_offset": offsets[self.servers.index(s)]}}, retry=False))
 
     def start_weight_update(self) -> None:
-        # paused first (requests in flight finish, new ones wait): a forward pass during vLLM's
-        # layerwise reload fails the engine ("Tensor on device cpu is not on the expected device meta")
-        self._each(lambda s: (s.post("pause?mode=wait"), s.post("start_weight_update", retry=False)))
+        # paused first (no forward pass runs: one during vLLM's layerwise reload fails the engine,
+        # "Tensor on device cpu is not on the expected device meta"); new requests wait
+        self._each(lambda s: (s.post(f"pause?mode={self.pause_mode}"), s.post("start_weight_update", retry=False)))
 
     def update_weights(self, update_info: dict) -> None:
         self._each(lambda s: s.post("update_weights", {"update_info": update_info}, retry=False))
@@ -166,6 +203,8 @@ class ServerGenerator:
                 f"max staleness {r.max_staleness}")
         self.sender = None  # the transfer group's sending end, made at the first update
         self.version = 0    # updates sent; the servers name their weights by it
+        self.weights_step = None  # training steps in the weights the servers hold (start-up sync: 0)
+        self.partial = r.partial_rollouts
         self.pool = ThreadPoolExecutor(max_workers=64)
 
     def generate(self, prompt_ids: list[list[int]], n: int, seeds: list[int],
@@ -176,14 +215,17 @@ class ServerGenerator:
 
         def sample(i: int) -> list[Completion]:
             server = self.servers[seeds[i] % len(self.servers)]
-            reply = server.post("v1/completions", {
+            body = {
                 "model": server.model, "prompt": prompt_ids[i], "n": n, "seed": seeds[i],
                 "temperature": 0.0 if greedy else r.temperature, "top_p": r.top_p, "top_k": r.top_k,
                 "max_tokens": max_tokens[i] if max_tokens else r.max_new_tokens, "stop": list(r.stop) or None,
                 "logprobs": 0, "return_token_ids": True,
                 # explicit, so that a server's defaults from its model folder (generation_config.json:
                 # e.g. Qwen2.5-Instruct's repetition_penalty 1.05) do not change what is sampled
-                "repetition_penalty": 1.0, "min_p": 0.0})
+                "repetition_penalty": 1.0, "min_p": 0.0}
+            if self.partial:  # streamed: each token tagged with the weights it was sampled with
+                return server.stream_completions(body, lambda: self.weights_step)
+            reply = server.post("v1/completions", body)
             choices = sorted(reply["choices"], key=lambda c: c["index"])
             return [Completion(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"],
                                truncated=c["finish_reason"] == "length") for c in choices]
@@ -207,18 +249,20 @@ class ServerGenerator:
         LoRA policy's changed layers, leaves the others as they are)."""
         from megagrpo.rollout.weight_transfer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
 
+        self.version += 1
         if not self.is_sender:
             for _ in named_tensors:
                 pass
-            return
-        if self.sender is None:
-            from megagrpo.cluster.distributed import free_port
-            fleet = ServerFleet(self.servers)
-            self.sender = GlooTrainerWeightTransferEngine.trainer_init(
-                GlooTrainerInitInfo(address_towards(self.servers[0].url), free_port(), world_size=1 + fleet.world_size,
-                                    timeout_s=self.cfg.server_timeout_s, rank=0), client=fleet)
-        self.version += 1
-        self.sender.send_stream(named_tensors, weight_version=str(self.version))
+        else:
+            if self.sender is None:
+                from megagrpo.cluster.distributed import free_port
+                fleet = ServerFleet(self.servers, "keep" if self.partial else "wait")
+                self.sender = GlooTrainerWeightTransferEngine.trainer_init(
+                    GlooTrainerInitInfo(address_towards(self.servers[0].url), free_port(),
+                                        world_size=1 + fleet.world_size, timeout_s=self.cfg.server_timeout_s, rank=0),
+                    client=fleet)
+            self.sender.send_stream(named_tensors, weight_version=str(self.version))
+        self.weights_step = self.version - 1  # (every rank: its streamed tokens are tagged with it)
 
     def sleep(self) -> None:
         pass  # the servers' memory is theirs
