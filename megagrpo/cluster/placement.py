@@ -89,13 +89,6 @@ class Placement:
             os.environ["LOCAL_SIZE"] = str(self.trainer_world_size)
         os.environ.update({"WORLD_SIZE": str(self.trainer_world_size), LAUNCH_WORLD: str(self.world_size)})
 
-    def describe(self) -> str:
-        if not self.generating_ranks:
-            return "generation co-located"
-        last = self.world_size - 1
-        return (f"generation on ranks {self.trainer_world_size}-{last} of the launch: {self.server_count} vLLM "
-                f"server(s) of tp {self.server_tp}")
-
 
 def engine_tp(cfg: Config) -> int:
     """Ranks per vLLM engine inside the job (the topology's generator groups): 1 when servers
