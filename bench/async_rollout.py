@@ -1,6 +1,6 @@
 """Overlap of generation and training: co-located engines against an external `vllm serve` with
 rollout.max_staleness 0, 1 and 2, and against a generating rank in the job (rollout.placement
-disaggregated, a third rank) with 0 and 1, side by side in one run, 2 trainer ranks each (torchrun).
+disaggregated, a third rank) with 0, 1 and 2, side by side in one run, 2 trainer ranks each (torchrun).
 
     python bench/async_rollout.py --agent-run runs/agent --arith-run runs/tiny [--steps 8] [--tasks single-turn]
 
@@ -102,7 +102,7 @@ def main():
                 rows = train(config, run, f"{work}/servers_k{k}", steps, *extra, f"rollout.servers=[{url}]",
                              f"rollout.max_staleness={k}", env=env, evaluate=evaluate)
                 results.append({"task": task, "placement": f"server, max_staleness {k}", **summary(rows)})
-        for k in (0, 1):
+        for k in (0, 1, 2):
             rows = train(config, run, f"{work}/generating_rank_k{k}", steps, *extra, "rollout.placement=disaggregated",
                          "rollout.ranks=1", f"rollout.max_staleness={k}", env=env, evaluate=evaluate, ranks=3)
             results.append({"task": task, "placement": f"generating rank, max_staleness {k}", **summary(rows)})
