@@ -75,6 +75,28 @@ def _train(tiny, out, *overrides):
                 *tiny_overrides(tiny, out), *COMMON, *overrides], timeout=600)
 
 
+def _kill_after_first_checkpoint(tiny, dying, ranks, overrides, kill):
+    """Start a 40-step job, call kill(job) once its step-1 checkpoint exists, and wait for the
+    job to end: (its output, the seconds from the kill to its end, its exit code)."""
+    job = subprocess.Popen(
+        [*torchrun(ranks, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, dying),
+         "grpo.max_steps=40", "checkpoint.save_steps=1", "data.eval_file=null", *overrides],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (dying / "checkpoints" / "step_00000001").exists():
+            assert job.poll() is None and time.time() < deadline, job.communicate()[0][-3000:]
+            time.sleep(0.5)
+        kill(job)
+        killed = time.time()
+        out, _ = job.communicate(timeout=120)
+        return out, time.time() - killed, job.returncode
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+
+
 def _metrics(out, key):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     return [row[key] for row in rows if key in row]
@@ -191,27 +213,16 @@ def test_server_run_equals_colocated_and_a_dead_server_stops_the_job(tiny, tmp_p
     assert "vLLM server" not in proc.stderr
 
     # the server dies mid-run: the job stops naming it; the checkpoint before is intact
-    dying = tmp_path / "dying"
-    job = subprocess.Popen(
-        [*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
-         *tiny_overrides(tiny, dying), "grpo.max_steps=40", "checkpoint.save_steps=1", "data.eval_file=null",
-         f"rollout.servers=[{url}]", "rollout.server_timeout_s=5", "rollout.server_retries=1"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while not (dying / "checkpoints" / "step_00000001").exists():
-            assert job.poll() is None and time.time() < deadline, job.communicate()[0][-3000:]
-            time.sleep(0.5)
+    def kill_the_server(job):
         server = _server_process(url)
         for process in [server, *server.children(recursive=True)]:
             process.send_signal(signal.SIGKILL)
-        killed = time.time()
-        out, _ = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    assert job.returncode != 0 and time.time() - killed < 60, out[-3000:]
+
+    dying = tmp_path / "dying"
+    out, seconds, code = _kill_after_first_checkpoint(
+        tiny, dying, 2, [f"rollout.servers=[{url}]", "rollout.server_timeout_s=5", "rollout.server_retries=1"],
+        kill_the_server)
+    assert code != 0 and seconds < 60, out[-3000:]
     assert f"vLLM server {url}" in out, out[-3000:]
     saved = sorted(p.name for p in (dying / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert saved and (dying / "checkpoints" / saved[-1] / "COMPLETE").exists(), saved
@@ -270,28 +281,19 @@ def test_generating_ranks_in_the_job_equal_colocated(tiny, tmp_path, colocated):
     assert "vllm_server_0.log" in failed.stderr
 
     # the generating rank SIGKILLed after the first checkpoint (a lost process, not a clean exit)
-    dying = tmp_path / "dying"
-    job = subprocess.Popen(
-        [*torchrun(3, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, dying),
-         "grpo.max_steps=40", "checkpoint.save_steps=1", "data.eval_file=null", "rollout.placement=disaggregated",
-         "rollout.ranks=1"], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while not (dying / "checkpoints" / "step_00000001").exists():
-            assert job.poll() is None and time.time() < deadline, job.communicate()[0][-3000:]
-            time.sleep(0.5)
+    server = []
+
+    def kill_the_generating_rank(job):
         generating = next(p for p in psutil.Process(job.pid).children(recursive=True)
                           if "megagrpo.train" in " ".join(p.cmdline()) and p.environ().get("RANK") == "2")
-        server = [p for p in generating.children(recursive=True)]
+        server.extend(generating.children(recursive=True))
         assert server and "api_server" in " ".join(server[0].cmdline())
         generating.send_signal(signal.SIGKILL)
-        killed = time.time()
-        out, _ = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    assert job.returncode != 0 and time.time() - killed < 60, out[-3000:]
+
+    out, seconds, code = _kill_after_first_checkpoint(tiny, tmp_path / "dying", 3,
+                                                      ["rollout.placement=disaggregated", "rollout.ranks=1"],
+                                                      kill_the_generating_rank)
+    assert code != 0 and seconds < 60, out[-3000:]
     assert re.search(r"rank\s*: 2 \(local_rank: 2\)\s+exitcode\s*: -9", out), out[-3000:]
     psutil.wait_procs(server, timeout=60)
     left = [p for p in server if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
