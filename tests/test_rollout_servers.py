@@ -154,8 +154,9 @@ def test_partial_rollouts_go_on_across_a_weight_update(tiny, tmp_path, server):
     max_new_tokens, so the batch sampled ahead is still generating when the weights change: its
     requests pause and go on with the new weights, each token tagged with the weights that
     sampled it (the older first), and staleness counts the oldest token, within 1. A token's
-    sampler log-prob is that of the weights that sampled it: before the update those after step
-    1 (within 1e-4, as the co-located sync's test holds the engine to the trainer), after it not."""
+    sampler log-prob is that of the weights that sampled it: before the update those the batch
+    started with (within 1e-4, as the co-located sync's test holds the engine to the trainer),
+    after it not."""
     from transformers import AutoModelForCausalLM
 
     from megagrpo.checkpoints.convert import main as convert
@@ -163,7 +164,7 @@ def test_partial_rollouts_go_on_across_a_weight_update(tiny, tmp_path, server):
     from megagrpo.validation import load_config
 
     out = tmp_path / "partial"
-    policy = [f"model.name_or_path={tiny['model']}", "rollout.max_new_tokens=128", "data.eval_file=null"]
+    policy = [f"model.name_or_path={tiny['model']}", "rollout.max_new_tokens=384", "data.eval_file=null"]
     _train(tiny, out, *policy, f"rollout.servers=[{server}]", "rollout.max_staleness=1",
            "rollout.partial_rollouts=true", "grpo.max_steps=3", "grpo.learning_rate=1e-3", "checkpoint.save_steps=1",
            "checkpoint.keep_last=3", "checkpoint.save_hf_at_end=false",
@@ -171,20 +172,27 @@ def test_partial_rollouts_go_on_across_a_weight_update(tiny, tmp_path, server):
     shares = _metrics(out, "train/rollout/partial_token_share")
     assert len(shares) == 3 and max(shares) > 0, shares  # a batch lived through an update
     assert _metrics(out, "train/rollout/staleness") == [0, 1, 1]
-    # the batch of step 3: started with the weights after step 1, sampled across the update after
-    # step 2, and saved (finished) with the step-2 checkpoint
-    (batch,) = torch.load(out / "checkpoints" / "step_00000002" / "rollouts_ahead_rank0.pt", weights_only=False)
-    assert batch.version == 1
-    completions = [c for group in batch.groups for c in group]
-    for c in completions:
-        assert len(c.versions) == len(c.token_ids) == len(c.logprobs)
-        assert c.versions == sorted(c.versions) and set(c.versions) <= {1, 2}
-    assert any(len(set(c.versions)) == 2 for c in completions), [set(c.versions) for c in completions]
-
-    assert convert(["to-hf", str(out / "checkpoints" / "step_00000001"), str(tmp_path / "after_step_1")]) == 0
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "after_step_1", torch_dtype=torch.float32).eval()
+    # checkpoint n holds step n+1's batch, started with the weights after n-1 steps and finished
+    # (across the update after step n when it was still generating then) before the save
+    partial = []
+    for n in (1, 2, 3):
+        for batch in torch.load(out / "checkpoints" / f"step_{n:08d}" / "rollouts_ahead_rank0.pt", weights_only=False):
+            assert batch.version == n - 1
+            completions = [c for group in batch.groups for c in group]
+            for c in completions:
+                assert len(c.versions) == len(c.token_ids) == len(c.logprobs)
+                assert c.versions == sorted(c.versions) and set(c.versions) <= {n - 1, n}
+            if any(len(set(c.versions)) == 2 for c in completions):
+                partial.append(batch)
+    assert partial, "no saved batch lived through an update"
+    batch = partial[0]
+    weights = tiny["model"]  # the weights that started it: the model's own, or a checkpoint's
+    if batch.version:
+        weights = str(tmp_path / "started_with")
+        assert convert(["to-hf", str(out / "checkpoints" / f"step_{batch.version:08d}"), weights]) == 0
+    model = AutoModelForCausalLM.from_pretrained(weights, torch_dtype=torch.float32).eval()
     prompts = build_rollout_stack(load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, out) + policy)).prompts
-    gaps = {1: [], 2: []}  # |sampler log-prob - the step-1 weights' log-prob| by the token's version
+    gaps = {batch.version: [], batch.version + 1: []}  # |sampler log-prob - the starting weights'| by version
     for index, group in zip(batch.indices, batch.groups):
         prompt = prompts[index].token_ids
         for c in group:
@@ -193,9 +201,10 @@ def test_partial_rollouts_go_on_across_a_weight_update(tiny, tmp_path, server):
             scored = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
             for version, sampled, step_1 in zip(c.versions, c.logprobs, scored.tolist()):
                 gaps[version].append(abs(sampled - step_1))
-    assert gaps[1] and gaps[2]
-    assert max(gaps[1]) < 1e-4, max(gaps[1])  # sampled with the step-1 weights: theirs
-    assert sum(gaps[2]) / len(gaps[2]) > 1e-3, sum(gaps[2]) / len(gaps[2])  # sampled with others
+    before, after = gaps[batch.version], gaps[batch.version + 1]
+    assert before and after
+    assert max(before) < 1e-4, max(before)  # sampled with the starting weights: theirs
+    assert sum(after) / len(after) > 1e-3, sum(after) / len(after)  # sampled with the next ones
 
 
 @pytest.mark.daemons

@@ -73,61 +73,47 @@ class Server:
     def post(self, path: str, body: dict | None = None, retry: bool = True) -> dict:
         return self._call(requests.post, path, body, retry)
 
-    def _call(self, method, path: str, body: dict | None, retry: bool = True) -> dict:
+    def _call(self, method, path: str, body: dict | None, retry: bool = True, read=None):
         """One request, tried again (rollout.server_retries) when the server does not answer
         or answers 5xx; a 4xx (a request it refuses) is not, nor a step of a weight update
-        (retry=False: half an update cannot be sent again)."""
+        (retry=False: half an update cannot be sent again). read(reply): a streamed reply's
+        reader (its result is returned); by default the JSON body."""
         error = None
         tries = 1 + self.retries if retry else 1
         for attempt in range(tries):
             if attempt:
                 time.sleep(min(2 ** attempt, 10))
             try:
-                reply = method(f"{self.url}/{path}", json=body, timeout=self.timeout_s)
+                with method(f"{self.url}/{path}", json=body, timeout=self.timeout_s, stream=read is not None) as reply:
+                    if reply.status_code < 400:
+                        return read(reply) if read else (reply.json() if reply.content else {})
+                    error = f"HTTP {reply.status_code}: {reply.text[:500]}"
             except requests.RequestException as e:
                 error = f"{type(e).__name__}: {e}"
                 continue
-            if reply.status_code < 400:
-                return reply.json() if reply.content else {}
-            error = f"HTTP {reply.status_code}: {reply.text[:500]}"
             if reply.status_code < 500:
                 break
         raise ServerError(f"vLLM server {self.url} failed /{path} ({tries} tries, "
                           f"rollout.server_timeout_s {self.timeout_s:g} s each): {error}")
 
-
     def stream_completions(self, body: dict, version) -> list[Completion]:
         """A completion request streamed (rollout.partial_rollouts): its choices, each token
         tagged with version() as it arrives. The servers are paused through a weight update, so
         a token sampled before an update arrives before it ends, and one sampled after it after."""
-        error = None
-        for attempt in range(1 + self.retries):
-            if attempt:
-                time.sleep(min(2 ** attempt, 10))
+        def read(reply) -> list[Completion]:
             ids, logprobs, versions, finish = {}, {}, {}, {}
-            try:
-                with requests.post(f"{self.url}/v1/completions", json={**body, "stream": True}, stream=True,
-                                   timeout=self.timeout_s) as reply:
-                    if reply.status_code >= 400:
-                        error = f"HTTP {reply.status_code}: {reply.text[:500]}"
-                        if reply.status_code < 500:
-                            break
-                        continue
-                    for line in reply.iter_lines():
-                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                            continue
-                        for choice in json.loads(line[6:])["choices"]:
-                            i = choice["index"]
-                            ids.setdefault(i, []).extend(choice["token_ids"])
-                            logprobs.setdefault(i, []).extend(choice["logprobs"]["token_logprobs"])
-                            versions.setdefault(i, []).extend([version()] * len(choice["token_ids"]))
-                            finish[i] = choice["finish_reason"] or finish.get(i)
-                return [Completion(ids.get(i, []), logprobs.get(i, []), finish.get(i) == "length",
-                                   versions=versions.get(i, [])) for i in range(body["n"])]
-            except requests.RequestException as e:
-                error = f"{type(e).__name__}: {e}"
-        raise ServerError(f"vLLM server {self.url} failed /v1/completions (streamed; {1 + self.retries} tries, "
-                          f"rollout.server_timeout_s {self.timeout_s:g} s each): {error}")
+            for line in reply.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:])["choices"]:
+                    i = choice["index"]
+                    ids.setdefault(i, []).extend(choice["token_ids"])
+                    logprobs.setdefault(i, []).extend(choice["logprobs"]["token_logprobs"])
+                    versions.setdefault(i, []).extend([version()] * len(choice["token_ids"]))
+                    finish[i] = choice["finish_reason"] or finish.get(i)
+            return [Completion(ids.get(i, []), logprobs.get(i, []), finish.get(i) == "length",
+                               versions=versions.get(i, [])) for i in range(body["n"])]
+        return self._call(requests.post, "v1/completions", {**body, "stream": True}, read=read)
 
 
 class ServerFleet:

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from megagrpo.cluster.distributed import free_port
 from megagrpo.cluster.placement import (
     DONE_KEY,
     Placement,
@@ -113,7 +114,6 @@ def serve(cfg: Config, placement: Placement, log=lambda line: print(f"[megagrpo]
         if placement.starts_server:
             check_block(placement)
             host = address_towards(f"http://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
-            from megagrpo.cluster.distributed import free_port
             port, index = free_port(), placement.server_index
             os.makedirs(cfg.output_dir, exist_ok=True)
             log_path = os.path.abspath(os.path.join(cfg.output_dir, f"vllm_server_{index}.log"))
