@@ -99,7 +99,7 @@ class Trainer:
         cfg = self.cfg
         self.resume()
         self.startup.lap("resume")
-        self.sync_generator_weights()
+        self.sync_generator_weights(self.step)
         self.startup.lap("weight sync")
         self.report_startup()
         results = {}
@@ -184,7 +184,7 @@ class Trainer:
         if self.ahead is not None:
             self.ahead.settle()  # every rank's batches in flight are done before the weights change
             clock.lap("rollout_ahead")
-        self.sync_generator_weights()
+        self.sync_generator_weights(self.step + 1)
         clock.lap("weight_sync")
         if self.topo.is_main and self.cfg.logging.sample_steps and (self.step + 1) % self.cfg.logging.sample_steps == 0:
             shown = sampled.texts if self.stack.agent is None else [  # whole trajectories: turns and tool results
@@ -241,13 +241,13 @@ class Trainer:
             groups = box[0]
         return groups
 
-    def sync_generator_weights(self) -> float:
-        """Stream the policy's weights into the generator of every rank that receives them
-        whole (all ranks, or a pipeline's first stage); returns seconds taken. After the first
-        sync, a policy that trains only part of its weights (LoRA) sends only that part."""
+    def sync_generator_weights(self, steps_done: int) -> float:
+        """Stream the policy's weights (`steps_done` steps trained) into the generator of every
+        rank that receives them whole (all ranks, or a pipeline's first stage); returns seconds
+        taken. After the first sync, a LoRA policy sends only the weights it trains."""
         partial = self.generator_synced and not self.policy.trains_all_weights
         seconds = sync_weights(self.policy.full_tensors(changed_only=partial),
-                               self.generator if self.policy.holds_full_tensors else None, partial)
+                               self.generator if self.policy.holds_full_tensors else None, partial, steps_done)
         self.generator_synced = True
         return seconds
 

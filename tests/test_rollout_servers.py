@@ -27,7 +27,7 @@ COMMON = ["grpo.max_steps=3", "grpo.per_device_train_batch_size=16", "logging.sa
           "checkpoint.save_steps=0"]
 # as the co-located engine samples: the trainer's log-probs (processed), prompts prefilled whole
 SERVER_ARGS = ("--weight-transfer-config", '{"backend": "gloo"}', "--logprobs-mode", "processed_logprobs",
-               "--no-enable-chunked-prefill")
+               "--no-enable-chunked-prefill", "--enable-scale-out")  # (the token route: partial rollouts)
 
 
 def _scalars(out, tag):
@@ -147,64 +147,95 @@ def test_sampled_ahead_with_staleness_bounded_and_resumed_exactly(tiny, tmp_path
     assert refused.returncode != 0 and "resume it with rollout.max_staleness > 0" in refused.stderr
 
 
+def _generated_tokens(url: str) -> float:
+    """The server's count of tokens sampled so far (its Prometheus metrics)."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
+
+
 @pytest.mark.daemons
-@pytest.mark.multirank
-def test_partial_rollouts_go_on_across_a_weight_update(tiny, tmp_path, server):
-    """rollout.partial_rollouts on the random tiny model, which seldom stops before
-    max_new_tokens, so the batch sampled ahead is still generating when the weights change: its
-    requests pause and go on with the new weights, each token tagged with the weights that
-    sampled it (the older first), and staleness counts the oldest token, within 1. A token's
-    sampler log-prob is that of the weights that sampled it: before the update those the batch
-    started with (within 1e-4, as the co-located sync's test holds the engine to the trainer),
-    after it not."""
+def test_a_request_paused_through_an_update_goes_on_with_the_new_weights(tiny, tmp_path, server):
+    """rollout.partial_rollouts, in this process: a batch of requests is sampling when new
+    weights are sent (the update starts once the server has sampled its first tokens of them);
+    the requests pause (pause mode keep), take the weights and go on. The server tags each token
+    with the weights that sampled it, named by their training step: a completion's versions are
+    in order, and a token's sampler log-prob is that of its weights, before the update those the
+    batch started with (within 1e-4, as the co-located sync's test holds the engine to the
+    trainer), after it not (what a token after the update saw: the new weights, and the keys and
+    values that the older ones computed; no single model reproduces it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from transformers import AutoModelForCausalLM
 
-    from megagrpo.checkpoints.convert import main as convert
+    from megagrpo.rollout.servers import ServerGenerator
     from megagrpo.stack import build_rollout_stack
     from megagrpo.validation import load_config
 
+    cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
+        f"rollout.servers=[{server}]", "rollout.max_staleness=1", "rollout.partial_rollouts=true",
+        "rollout.max_new_tokens=448"])
+    prompts = [p.token_ids for p in build_rollout_stack(cfg).prompts[:2]]
+    # the random tiny model: it seldom stops before max_new_tokens, so its requests outlast an update
+    start = AutoModelForCausalLM.from_pretrained(tiny["model"], torch_dtype=torch.float32).eval()
+    moved = {name: p.detach() + 0.05 * torch.randn_like(p) for name, p in start.named_parameters()}
+    generator = ServerGenerator(cfg, [server])
+    try:
+        generator.load_weights(start.named_parameters(), step=6)
+        with ThreadPoolExecutor(max_workers=1) as side:
+            sampled_before = _generated_tokens(server)
+            sampling = side.submit(generator.generate, prompts, 8, [11, 12])
+            deadline = time.time() + 60
+            while _generated_tokens(server) == sampled_before:
+                assert time.time() < deadline and not sampling.done()
+                time.sleep(0.01)
+            generator.load_weights(iter(moved.items()), step=7)
+            groups = sampling.result(timeout=120)
+    finally:
+        generator.close()
+    gaps = {6: [], 7: []}  # |sampler log-prob - the starting weights'| by version
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            assert len(c.versions) == len(c.token_ids) == len(c.logprobs)
+            assert c.versions == sorted(c.versions) and set(c.versions) <= {6, 7}, c.versions
+            with torch.no_grad():  # temperature 1: the processed log-probs are log_softmax(logits)
+                logits = start(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1]
+            scored = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            for version, sampled, started in zip(c.versions, c.logprobs, scored.tolist()):
+                gaps[version].append(abs(sampled - started))
+    assert any(len(set(c.versions)) == 2 for group in groups for c in group)  # a request lived through it
+    before, after = gaps[6], gaps[7]
+    assert before and after
+    assert max(before) < 1e-4, max(before)  # sampled with the starting weights: theirs
+    assert sum(after) / len(after) > 1e-3, sum(after) / len(after)  # sampled with the new ones
+
+
+@pytest.mark.daemons
+@pytest.mark.multirank
+def test_partial_rollouts_in_a_run_resumed(tiny, tmp_path, server):
+    """rollout.partial_rollouts in a 2-rank run (the requests in flight at an update go on):
+    each saved batch's completions carry versions in order, within the step it was started at
+    and the next; staleness, counted from a batch's oldest token, stays within 1; and the run
+    resumed from its step-1 checkpoint (the servers now name the weights by their training step,
+    as the batches do) goes on within the bound."""
     out = tmp_path / "partial"
-    policy = [f"model.name_or_path={tiny['model']}", "rollout.max_new_tokens=384", "data.eval_file=null"]
-    _train(tiny, out, *policy, f"rollout.servers=[{server}]", "rollout.max_staleness=1",
-           "rollout.partial_rollouts=true", "grpo.max_steps=3", "grpo.learning_rate=1e-3", "checkpoint.save_steps=1",
-           "checkpoint.keep_last=3", "checkpoint.save_hf_at_end=false",
-           "grpo.importance_sampling_correction=token_truncate")
-    shares = _metrics(out, "train/rollout/partial_token_share")
-    assert len(shares) == 3 and max(shares) > 0, shares  # a batch lived through an update
+    partial = [f"model.name_or_path={tiny['model']}", "rollout.max_new_tokens=448", "data.eval_file=null",
+               f"rollout.servers=[{server}]", "rollout.max_staleness=1", "rollout.partial_rollouts=true",
+               "grpo.per_device_train_batch_size=8", "grpo.learning_rate=1e-3", "checkpoint.save_steps=1",
+               "checkpoint.keep_last=3", "checkpoint.save_hf_at_end=false"]
+    _train(tiny, out, *partial)
     assert _metrics(out, "train/rollout/staleness") == [0, 1, 1]
-    # checkpoint n holds step n+1's batch, started with the weights after n-1 steps and finished
-    # (across the update after step n when it was still generating then) before the save
-    partial = []
+    assert len(_metrics(out, "train/rollout/partial_token_share")) == 3
+    # checkpoint n holds step n+1's batch, started with the weights after n-1 steps
     for n in (1, 2, 3):
         for batch in torch.load(out / "checkpoints" / f"step_{n:08d}" / "rollouts_ahead_rank0.pt", weights_only=False):
             assert batch.version == n - 1
-            completions = [c for group in batch.groups for c in group]
-            for c in completions:
+            for c in (c for group in batch.groups for c in group):
                 assert len(c.versions) == len(c.token_ids) == len(c.logprobs)
                 assert c.versions == sorted(c.versions) and set(c.versions) <= {n - 1, n}
-            if any(len(set(c.versions)) == 2 for c in completions):
-                partial.append(batch)
-    assert partial, "no saved batch lived through an update"
-    batch = partial[0]
-    weights = tiny["model"]  # the weights that started it: the model's own, or a checkpoint's
-    if batch.version:
-        weights = str(tmp_path / "started_with")
-        assert convert(["to-hf", str(out / "checkpoints" / f"step_{batch.version:08d}"), weights]) == 0
-    model = AutoModelForCausalLM.from_pretrained(weights, torch_dtype=torch.float32).eval()
-    prompts = build_rollout_stack(load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, out) + policy)).prompts
-    gaps = {batch.version: [], batch.version + 1: []}  # |sampler log-prob - the starting weights'| by version
-    for index, group in zip(batch.indices, batch.groups):
-        prompt = prompts[index].token_ids
-        for c in group:
-            with torch.no_grad():  # temperature 1: the processed log-probs are log_softmax(logits)
-                logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1]
-            scored = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
-            for version, sampled, step_1 in zip(c.versions, c.logprobs, scored.tolist()):
-                gaps[version].append(abs(sampled - step_1))
-    before, after = gaps[batch.version], gaps[batch.version + 1]
-    assert before and after
-    assert max(before) < 1e-4, max(before)  # sampled with the starting weights: theirs
-    assert sum(after) / len(after) > 1e-3, sum(after) / len(after)  # sampled with the next ones
+    again = tmp_path / "resumed"
+    resumed = _train(tiny, again, *partial, f"checkpoint.resume={out / 'checkpoints' / 'step_00000001'}")
+    assert "at step 1" in resumed.stdout
+    assert _metrics(again, "train/rollout/staleness") == [1, 1]
 
 
 @pytest.mark.daemons
@@ -213,8 +244,8 @@ def test_server_run_equals_colocated_and_a_dead_server_stops_the_job(tiny, tmp_p
     served = tmp_path / "served"
     url = server
     proc = _train(tiny, served, f"rollout.servers=[{url}]")
-    # the start-up sync and one per step, each named by its number
-    assert requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == "4"
+    # each update named by the training steps in its weights
+    assert requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == "3"
     _assert_equal_runs(colocated, served)
     a = load_file(str(colocated / "hf" / "model.safetensors"))
     start = load_file(os.path.join(tiny["warm"], "model.safetensors"))
@@ -324,6 +355,14 @@ def test_disaggregated_settings_refused_with_the_fix(tiny, tmp_path, monkeypatch
     text = format_plan(plan)
     assert "world 6 = 4 training (dp 4 x tp 1 x pp 1) + 2 generating, generation on ranks 4-5: 1 vLLM server(s) " \
            "of tp 2, max staleness 1" in text and "peak memory per generating rank" in text
+    # the job's servers get the co-located engine's settings, and the token route with partial rollouts
+    from megagrpo.cluster.placement import Placement
+    from megagrpo.rollout.serving import server_command
+    command = server_command(cfg, Placement(4, 6, 2, 2), "10.0.0.5", 8000)
+    assert "--tensor-parallel-size 2" in " ".join(command) and "--enable-scale-out" not in command
+    partial = load_config("configs/tiny_arith.yaml", base + ["rollout.ranks=2", "rollout.max_staleness=1",
+                                                             "rollout.partial_rollouts=true"])
+    assert "--enable-scale-out" in server_command(partial, Placement(4, 6, 2, 1), "10.0.0.5", 8000)
     for bad, message in [
             ("rollout.ranks=0", r"needs rollout.ranks >= 1 \(now 0\)"),
             ("rollout.ranks=3", r"rollout.ranks=3 is not a whole number of servers of rollout.tensor_parallel_size=2"),

@@ -11,6 +11,8 @@ import sys
 import pytest
 from conftest import PYTHON, run
 
+from megagrpo.rollout.servers import Server, ServerError
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 import daemons  # noqa: E402
 
@@ -20,6 +22,9 @@ def test_weights_sent_to_a_sharded_vllm_server_over_gloo(tiny, tmp_path):
     with daemons.vllm_server(tiny["warm"], tmp_path, "--weight-transfer-config", '{"backend": "gloo"}',
                              "--tensor-parallel-size", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as url:
         proc = run([PYTHON, "tests/helpers/transfer_probe.py", "--url", url, "--model", tiny["warm"]], timeout=300)
+        # without --enable-scale-out it has no token route, which partial rollouts need: said at start
+        with pytest.raises(ServerError, match="restart it with --enable-scale-out"):
+            Server(url, timeout_s=30, retries=0).check_token_route()
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["before"] < 1e-4, result  # the server and the trainer start from the same weights
     assert [u["version"] for u in result["updates"]] == ["1", "2"], result

@@ -245,8 +245,8 @@ class RolloutConfig:
     co-located engine does. Keep grpo.importance_sampling_correction on with k > 0 (docs/async.md)."""
     partial_rollouts: bool = False
     """With rollout.max_staleness > 0: at a weight update the requests in flight pause and go on
-    with the new weights (vLLM's pause mode keep) instead of finishing first, so no update waits
-    for the longest generation; each token keeps its weights' version and sampler log-prob."""
+    with the new weights (vLLM's pause mode keep), so no update waits for the longest generation;
+    each token keeps its weights' version and sampler log-prob (servers: --enable-scale-out)."""
     tensor_parallel_size: Optional[int] = None
     """vLLM tensor parallelism: each group of this many consecutive ranks holds one engine
     sharded between them (1/t of the weights and KV cache per rank), all of them sampling.

@@ -3,7 +3,7 @@
 Both have the same interface:
     generate(prompt_ids, n, seeds, greedy=False, max_tokens=None) -> per prompt, n Completions
     score(requests) -> per (token_ids, prompt_len), the log-probs of token_ids[prompt_len:]
-    load_weights(named_tensors, partial=False)   # (HF name, tensor) stream; no restart, no disk
+    load_weights(named_tensors, partial=False, step=0)   # (HF name, tensor) stream; no restart, no disk
     sleep() / wake_up(tags)       # free accelerator memory while the trainer runs
 
 `VLLMGenerator` runs vLLM inside this training process (external_launcher executor, created
@@ -117,9 +117,11 @@ class VLLMGenerator:
         return [[out.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))]
                 for out, (ids, start) in zip(outputs, requests)]
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False,
+                     step: int = 0) -> None:
         """partial: the stream holds some layers only (a LoRA policy's adapted ones); vLLM
-        keeps the others as they are, and its warnings about them are expected."""
+        keeps the others as they are, and its warnings about them are expected. step: the
+        training steps in these weights (a server names them by it)."""
         self.reload_warnings.partial = partial
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
@@ -247,7 +249,8 @@ class HFGenerator:
         return scores
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False,
+                     step: int = 0) -> None:
         params = dict(self.model.named_parameters())
         for name, tensor in named_tensors:
             params[name].data.copy_(tensor)

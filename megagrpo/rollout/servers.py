@@ -16,7 +16,6 @@ docs/async.md.
 """
 from __future__ import annotations
 
-import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -96,24 +95,30 @@ class Server:
         raise ServerError(f"vLLM server {self.url} failed /{path} ({tries} tries, "
                           f"rollout.server_timeout_s {self.timeout_s:g} s each): {error}")
 
-    def stream_completions(self, body: dict, version) -> list[Completion]:
-        """A completion request streamed (rollout.partial_rollouts): its choices, each token
-        tagged with version() as it arrives. The servers are paused through a weight update, so
-        a token sampled before an update arrives before it ends, and one sampled after it after."""
-        def read(reply) -> list[Completion]:
-            ids, logprobs, versions, finish = {}, {}, {}, {}
-            for line in reply.iter_lines():
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                for choice in json.loads(line[6:])["choices"]:
-                    i = choice["index"]
-                    ids.setdefault(i, []).extend(choice["token_ids"])
-                    logprobs.setdefault(i, []).extend(choice["logprobs"]["token_logprobs"])
-                    versions.setdefault(i, []).extend([version()] * len(choice["token_ids"]))
-                    finish[i] = choice["finish_reason"] or finish.get(i)
-            return [Completion(ids.get(i, []), logprobs.get(i, []), finish.get(i) == "length",
-                               versions=versions.get(i, [])) for i in range(body["n"])]
-        return self._call(requests.post, "v1/completions", {**body, "stream": True}, read=read)
+    def generate_tokens(self, body: dict) -> list[Completion]:
+        """A request to vLLM's token route, /inference/v1/generate (rollout.partial_rollouts):
+        its choices, each token with the version of the weights that sampled it, as the server
+        itself tracks them (the label of the weight update it was sampled after: its training
+        step). A request paused through an update gets tokens of two versions."""
+        reply = self.post("inference/v1/generate", body)
+        completions = []
+        for choice in sorted(reply["choices"], key=lambda c: c["index"]):
+            versions = [int(span["version"]) for span in choice["weight_versions"] or []
+                        for _ in range(span["start"], span["end"])]
+            completions.append(Completion(choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]],
+                                          choice["finish_reason"] == "length", versions=versions))
+        return completions
+
+    def check_token_route(self) -> None:
+        """The token route answers (it is off unless the server runs with --enable-scale-out)."""
+        try:
+            reply = requests.post(f"{self.url}/inference/v1/generate", json={}, timeout=self.timeout_s)
+        except requests.RequestException as e:
+            raise ServerError(f"vLLM server {self.url} did not answer /inference/v1/generate: {e}") from None
+        if reply.status_code in (403, 404):  # (enabled, an empty request is a 400 or 422)
+            raise ServerError(f"vLLM server {self.url} does not serve /inference/v1/generate (HTTP "
+                              f"{reply.status_code}), which rollout.partial_rollouts reads each token's weight "
+                              "version from: restart it with --enable-scale-out")
 
 
 class ServerFleet:
@@ -188,9 +193,10 @@ class ServerGenerator:
                 f"({sum(s.workers for s in self.servers)} workers); weights sent from rank 0 after every step; "
                 f"max staleness {r.max_staleness}")
         self.sender = None  # the transfer group's sending end, made at the first update
-        self.version = 0    # updates sent; the servers name their weights by it
-        self.weights_step = None  # training steps in the weights the servers hold (start-up sync: 0)
         self.partial = r.partial_rollouts
+        if self.partial:
+            for server in self.servers:
+                server.check_token_route()
         self.pool = ThreadPoolExecutor(max_workers=64)
 
     def generate(self, prompt_ids: list[list[int]], n: int, seeds: list[int],
@@ -209,8 +215,10 @@ class ServerGenerator:
                 # explicit, so that a server's defaults from its model folder (generation_config.json:
                 # e.g. Qwen2.5-Instruct's repetition_penalty 1.05) do not change what is sampled
                 "repetition_penalty": 1.0, "min_p": 0.0}
-            if self.partial:  # streamed: each token tagged with the weights it was sampled with
-                return server.stream_completions(body, lambda: self.weights_step)
+            if self.partial:  # vLLM's token route: each token's weight version
+                return server.generate_tokens({
+                    "model": body["model"], "token_ids": body["prompt"], "sampling_params": {
+                        k: v for k, v in body.items() if k not in ("model", "prompt", "return_token_ids")}})
             reply = server.post("v1/completions", body)
             choices = sorted(reply["choices"], key=lambda c: c["index"])
             return [Completion(token_ids=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"],
@@ -229,26 +237,26 @@ class ServerGenerator:
             return [entries[k][str(ids[k])]["logprob"] for k in range(start, len(ids))]
         return list(self.pool.map(one, range(len(requests))))
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False,
+                     step: int = 0) -> None:
         """Every rank that holds the stream runs it (its gathers are collective); rank 0 sends it
         to every server's workers, which load each tensor as it arrives (a partial stream, a
-        LoRA policy's changed layers, leaves the others as they are)."""
+        LoRA policy's changed layers, leaves the others as they are). The servers name the new
+        weights by `step`, the training steps in them."""
         from megagrpo.rollout.weight_transfer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
 
-        self.version += 1
         if not self.is_sender:
             for _ in named_tensors:
                 pass
-        else:
-            if self.sender is None:
-                from megagrpo.cluster.distributed import free_port
-                fleet = ServerFleet(self.servers, "keep" if self.partial else "wait")
-                self.sender = GlooTrainerWeightTransferEngine.trainer_init(
-                    GlooTrainerInitInfo(address_towards(self.servers[0].url), free_port(),
-                                        world_size=1 + fleet.world_size, timeout_s=self.cfg.server_timeout_s, rank=0),
-                    client=fleet)
-            self.sender.send_stream(named_tensors, weight_version=str(self.version))
-        self.weights_step = self.version - 1  # (every rank: its streamed tokens are tagged with it)
+            return
+        if self.sender is None:
+            from megagrpo.cluster.distributed import free_port
+            fleet = ServerFleet(self.servers, "keep" if self.partial else "wait")
+            self.sender = GlooTrainerWeightTransferEngine.trainer_init(
+                GlooTrainerInitInfo(address_towards(self.servers[0].url), free_port(),
+                                    world_size=1 + fleet.world_size, timeout_s=self.cfg.server_timeout_s, rank=0),
+                client=fleet)
+        self.sender.send_stream(named_tensors, weight_version=str(step))
 
     def sleep(self) -> None:
         pass  # the servers' memory is theirs

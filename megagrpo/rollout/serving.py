@@ -58,6 +58,8 @@ def server_command(cfg: Config, placement: Placement, host: str, port: int) -> l
            "--enable-prefix-caching" if r.max_turns > 1 else "--no-enable-prefix-caching",
            "--shutdown-timeout", "20",  # (0 force-kills CPU tp workers, leaking their shared memory)
            "--disable-uvicorn-access-log"]
+    if r.partial_rollouts:  # vLLM's token route, which gives each token's weight version
+        cmd += ["--enable-scale-out"]
     if torch.cuda.is_available():
         cmd += ["--gpu-memory-utilization", str(r.gpu_memory_utilization)]
     else:  # as VLLMGenerator on CPU (the reasons are there)
