@@ -8,7 +8,11 @@ Tasks: the agentic quickstart's (AGENT=1 bash launch/quickstart.sh builds runs/a
 `python` tool replaced by a stand-in for a remote API that answers after --tool-wait-s (0.2 s)
 without using CPU (bench/remote_tools.py), so a rollout waits on tools; and the single-turn
 arithmetic quickstart (runs/tiny, --arith-steps 40 as the quickstart trains), which is
-compute-bound, with its held-out accuracy before and after (does staleness cost learning?). Per
+compute-bound, with its held-out accuracy before and after (does staleness cost learning?); and
+a long-tailed single-turn task: the same prompts on the random tiny model (runs/tiny/model),
+which seldom stops, so completions run from a few tokens to 448 and a batch lasts as long as
+its longest, against servers with and without rollout.partial_rollouts (an update does not wait
+for the longest). Per
 row, over the steps after the
 first: seconds per step, the trainer's idle share (waiting for its batch, or for the batches in
 flight before an update), the generator's busy share (the seconds the step's batch took to
@@ -32,13 +36,13 @@ import daemons  # noqa: E402
 from megagrpo.cluster.distributed import free_port  # noqa: E402
 
 SERVER_ARGS = ("--weight-transfer-config", '{"backend": "gloo"}', "--logprobs-mode", "processed_logprobs",
-               "--no-enable-chunked-prefill")
+               "--no-enable-chunked-prefill", "--enable-scale-out")
 
 
-def train(config: str, run: str, out: str, steps: int, *overrides: str, env=None, evaluate=False,
+def train(config: str, model: str, run: str, out: str, steps: int, *overrides: str, env=None, evaluate=False,
           ranks: int = 2) -> list[dict]:
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(ranks), "--master_port",
-           str(free_port()), "-m", "megagrpo.train", "--config", config, f"model.name_or_path={run}/warm",
+           str(free_port()), "-m", "megagrpo.train", "--config", config, f"model.name_or_path={run}/{model}",
            f"data.train_file={run}/data/train.jsonl",
            f"data.eval_file={run}/data/eval.jsonl" if evaluate else "data.eval_file=null", f"output_dir={out}",
            f"grpo.max_steps={steps}", "checkpoint.save_steps=0", "checkpoint.save_hf_at_end=false",
@@ -81,39 +85,49 @@ def main():
     p.add_argument("--tool-wait-s", type=float, default=0.2)
     p.add_argument("--work", default="bench/results/async_rollout_runs")
     p.add_argument("--out", default="bench/results/async_rollout.json")
-    p.add_argument("--tasks", nargs="+", default=["agentic", "single-turn"], choices=["agentic", "single-turn"])
+    p.add_argument("--tasks", nargs="+", default=["agentic", "single-turn", "long-tail"],
+                   choices=["agentic", "single-turn", "long-tail"])
     args = p.parse_args()
+    staleness = [(f"max_staleness {k}", [f"rollout.max_staleness={k}"]) for k in (0, 1, 2)]
+    partial = staleness[:2] + [(f"max_staleness {k}, partial", [f"rollout.max_staleness={k}",
+                                                                 "rollout.partial_rollouts=true"]) for k in (1, 2)]
     tasks = {  # (the keys' first word is what --tasks names)
-        "agentic, tool waits": (args.agent_run, "configs/tiny_agent.yaml", args.steps, False,
+        "agentic, tool waits": (args.agent_run, "warm", "configs/tiny_agent.yaml", args.steps, False,
                                 ["rollout.tools=[{name: bench.remote_tools:python}]"],
-                                {"BENCH_TOOL_WAIT_S": str(args.tool_wait_s)}),
-        "single-turn": (args.arith_run, "configs/tiny_arith.yaml", args.arith_steps, True, [], {}),
+                                {"BENCH_TOOL_WAIT_S": str(args.tool_wait_s)}, staleness, True),
+        "single-turn": (args.arith_run, "warm", "configs/tiny_arith.yaml", args.arith_steps, True, [], {}, staleness,
+                        True),
+        # the random tiny model seldom stops: lengths from a few tokens to 448, a batch as long as its longest
+        "long-tail, single-turn": (args.arith_run, "model", "configs/tiny_arith.yaml", args.steps, False,
+                                   ["rollout.max_new_tokens=448", "grpo.per_device_train_batch_size=16"], {}, partial,
+                                   False),
     }
     results = []
-    for task, (run, config, steps, evaluate, extra, env) in tasks.items():
+    for task, (run, model, config, steps, evaluate, extra, env, variants, generating_rank) in tasks.items():
         if task.split(",")[0] not in args.tasks:
             continue
         work = os.path.join(args.work, task.split(",")[0].replace(" ", "_"))
         start = time.perf_counter()
-        rows = train(config, run, f"{work}/colocated", steps, *extra, env=env, evaluate=evaluate)
+        rows = train(config, model, run, f"{work}/colocated", steps, *extra, env=env, evaluate=evaluate)
         results.append({"task": task, "placement": "co-located", **summary(rows)})
-        with daemons.vllm_server(f"{run}/warm", work, *SERVER_ARGS) as url:
-            for k in (0, 1, 2):
-                rows = train(config, run, f"{work}/servers_k{k}", steps, *extra, f"rollout.servers=[{url}]",
-                             f"rollout.max_staleness={k}", env=env, evaluate=evaluate)
-                results.append({"task": task, "placement": f"server, max_staleness {k}", **summary(rows)})
-        for k in (0, 1, 2):
-            rows = train(config, run, f"{work}/generating_rank_k{k}", steps, *extra, "rollout.placement=disaggregated",
-                         "rollout.ranks=1", f"rollout.max_staleness={k}", env=env, evaluate=evaluate, ranks=3)
+        with daemons.vllm_server(f"{run}/{model}", work, *SERVER_ARGS) as url:
+            for name, overrides in variants:
+                rows = train(config, model, run, f"{work}/servers_{name.replace(' ', '_').replace(',', '')}", steps,
+                             *extra, f"rollout.servers=[{url}]", *overrides, env=env, evaluate=evaluate)
+                results.append({"task": task, "placement": f"server, {name}", **summary(rows)})
+        for k in (0, 1, 2) if generating_rank else ():
+            rows = train(config, model, run, f"{work}/generating_rank_k{k}", steps, *extra,
+                         "rollout.placement=disaggregated", "rollout.ranks=1", f"rollout.max_staleness={k}", env=env,
+                         evaluate=evaluate, ranks=3)
             results.append({"task": task, "placement": f"generating rank, max_staleness {k}", **summary(rows)})
         print(f"{task}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     base = {r["task"]: r["step_s"] for r in results if r["placement"] == "co-located"}
-    header = f"{'task':<22}{'placement':<28}{'s/step':>8}{'vs co-loc':>10}{'trainer idle':>14}" \
+    header = f"{'task':<24}{'placement':<36}{'s/step':>8}{'vs co-loc':>10}{'trainer idle':>14}" \
              f"{'gen busy':>10}{'stale max':>10}{'sync s':>8}  held-out before -> after"
     print(header)
     for r in results:
         r["speedup_vs_colocated"] = base[r["task"]] / r["step_s"]
-        print(f"{r['task']:<22}{r['placement']:<28}{r['step_s']:>8.2f}{r['speedup_vs_colocated']:>9.2f}x"
+        print(f"{r['task']:<24}{r['placement']:<36}{r['step_s']:>8.2f}{r['speedup_vs_colocated']:>9.2f}x"
               f"{r['trainer_idle']:>13.0%}{r['generator_busy']:>10.0%}{r['staleness_max']:>10.0f}"
               f"{r['weight_sync_s']:>8.2f}  " + (f"{r['held_out_accuracy']['before']:.1%} -> "
                                                   f"{r['held_out_accuracy']['after']:.1%}"

@@ -105,14 +105,16 @@ def signal_job(pid: int, sig: int, processes=None) -> None:
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """{data, model, warm} folders: demo task, random tiny Qwen2, warm-started tiny Qwen2."""
+    """{data, model, warm} folders: demo task, random tiny Qwen2, warm-started tiny Qwen2 (and
+    console: what building them printed)."""
     base = tmp_path_factory.mktemp("tiny")
     paths = {k: str(base / k) for k in ("data", "model", "warm")}
-    run([PYTHON, "tools/make_demo_data.py", "--out", paths["data"]])
-    run([PYTHON, "tools/make_tiny_model.py", "--out", paths["model"], "--corpus",
-         os.path.join(paths["data"], "sft.jsonl")])
-    run([PYTHON, "tools/warm_start.py", "--model", paths["model"], "--data",
-         os.path.join(paths["data"], "sft.jsonl"), "--out", paths["warm"]])
+    sft = os.path.join(paths["data"], "sft.jsonl")
+    # the quickstart's first two phases (launch/quickstart.sh), whose console it checks
+    done = [run([PYTHON, "tools/make_demo_data.py", "--out", paths["data"]]),
+            run([PYTHON, "tools/make_tiny_model.py", "--out", paths["model"], "--corpus", sft]),
+            run([PYTHON, "tools/warm_start.py", "--model", paths["model"], "--data", sft, "--out", paths["warm"]])]
+    paths["console"] = "".join(proc.stdout + proc.stderr for proc in done)
     return paths
 
 
@@ -202,6 +204,11 @@ def pytest_sessionstart(session):
     _SESSION_HOME.append(home)
     for var, folder in SESSION_HOME_VARS.items():
         os.environ[var] = os.path.join(home, folder)
+    # DeepSpeed's CPU ops as launch/install.sh built them (in the venv): a process that starts
+    # DeepSpeed without megagrpo's set-up (a probe) would otherwise build its shared-memory op
+    # again under the session's cache (56 s on 2 cores, once a session)
+    from megagrpo.cluster.distributed import use_venv_extensions_dir
+    use_venv_extensions_dir()
 
 
 def _check_work_tree(session) -> None:

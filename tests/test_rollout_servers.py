@@ -20,6 +20,9 @@ from conftest import ROOT, run, signal_job, tiny_overrides, torchrun
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megagrpo.checkpoints.checkpoint import load_rollouts_ahead
+from megagrpo.config.schema import ConfigError
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 import daemons  # noqa: E402
 
@@ -140,11 +143,10 @@ def test_sampled_ahead_with_staleness_bounded_and_resumed_exactly(tiny, tmp_path
     assert (killed / "prompts_seen.jsonl").read_text() == (whole / "prompts_seen.jsonl").read_text()
     # a checkpoint with a batch ahead resumed without sampling ahead is refused (its sampler is past
     # the saved batch); step 2's was pruned (checkpoint.keep_last), step 4's holds step 5's batch
-    checkpoint = killed / "checkpoints" / "step_00000004"
-    refused = run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
-                   *tiny_overrides(tiny, tmp_path / "refused"), *COMMON, f"rollout.servers=[{server}]",
-                   "grpo.max_steps=6", f"checkpoint.resume={checkpoint}"], check=False, timeout=600)
-    assert refused.returncode != 0 and "resume it with rollout.max_staleness > 0" in refused.stderr
+    checkpoint = str(killed / "checkpoints" / "step_00000004")
+    with pytest.raises(ConfigError, match="resume it with rollout.max_staleness > 0"):
+        load_rollouts_ahead({"path": checkpoint, "dp_size": 2}, rank=0, max_staleness=0)
+    assert len(load_rollouts_ahead({"path": checkpoint, "dp_size": 2}, rank=1, max_staleness=1)) == 1
 
 
 def _generated_tokens(url: str) -> float:
@@ -269,7 +271,6 @@ def test_server_run_equals_colocated_and_a_dead_server_stops_the_job(tiny, tmp_p
 
 
 def test_server_settings_refused_with_the_fix(tiny, tmp_path):
-    from megagrpo.config.schema import ConfigError
     from megagrpo.planning import format_plan, make_plan
     from megagrpo.validation import load_config
 
@@ -298,9 +299,8 @@ def test_server_settings_refused_with_the_fix(tiny, tmp_path):
 def test_generating_ranks_in_the_job_equal_colocated(tiny, tmp_path, colocated):
     """rollout.placement=disaggregated: 3 ranks through torchrun, ranks 0-1 train (ZeRO-3) in a
     world of their own and rank 2 runs the job's vLLM server; the run equals the co-located one,
-    and the server is gone with the job. A server that cannot start stops the job, naming its log;
-    a generating rank SIGKILLed mid-run ends the job non-zero within 60 s, naming the rank, and
-    its server goes with it."""
+    and the server is gone with the job. A generating rank SIGKILLed mid-run ends the job non-zero
+    within 60 s, naming the rank, and its server goes with it."""
     out = tmp_path / "disaggregated"
     proc = run([*torchrun(3, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, out), *COMMON, "rollout.placement=disaggregated", "rollout.ranks=1"],
@@ -312,13 +312,6 @@ def test_generating_ranks_in_the_job_equal_colocated(tiny, tmp_path, colocated):
     with pytest.raises(StopIteration):  # the server ended with the job
         _server_process(url)
 
-    # a server that cannot start (a KV cache too small for one sequence): the job stops, naming its log
-    failed = run([*torchrun(3, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
-                  *tiny_overrides(tiny, tmp_path / "failed"), *COMMON, "rollout.placement=disaggregated",
-                  "rollout.ranks=1", "rollout.cpu_kv_cache_gb=0.00001"], check=False, timeout=600)
-    assert failed.returncode != 0
-    assert "megagrpo: error on rank 2: generator server 0 (http://" in failed.stderr, failed.stderr[-3000:]
-    assert "vllm_server_0.log" in failed.stderr
 
     # the generating rank SIGKILLed after the first checkpoint (a lost process, not a clean exit)
     server = []
@@ -340,8 +333,30 @@ def test_generating_ranks_in_the_job_equal_colocated(tiny, tmp_path, colocated):
     assert not left, f"the server outlived its rank: {left}"
 
 
+def test_a_server_that_cannot_start_stops_its_generating_rank_naming_its_log(tiny, tmp_path, monkeypatch):
+    """A generating rank's whole job (serving.serve), in this process against a rendezvous store
+    of its own: its server cannot start (a KV cache too small for one sequence), and the rank
+    stops with an error naming the server and its log, whose tail it shows."""
+    from torch.distributed import TCPStore
+
+    from megagrpo.cluster.placement import Placement
+    from megagrpo.rollout.serving import ServingError, serve
+    from megagrpo.validation import load_config
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the launch's, as rank 0 holds it
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
+        "rollout.placement=disaggregated", "rollout.ranks=1", "rollout.cpu_kv_cache_gb=0.00001",
+        "rollout.server_timeout_s=300"])
+    with pytest.raises(ServingError, match=r"generator server 0 \(http://[\d.]+:\d+\) exited with 1; its log: "
+                                           rf"{tmp_path}/vllm_server_0.log:\n(.|\n)*Engine core initialization failed"):
+        serve(cfg, Placement(rank=2, world_size=3, generating_ranks=1, server_tp=1))
+    assert "KV cache" in (tmp_path / "vllm_server_0.log").read_text()  # why, further up its log
+
+
 def test_disaggregated_settings_refused_with_the_fix(tiny, tmp_path, monkeypatch):
-    from megagrpo.config.schema import ConfigError
     from megagrpo.planning import format_plan, make_plan
     from megagrpo.validation import load_config
 

@@ -2,6 +2,7 @@
 by at least 20 points, on a quiet console. Runs launch/quickstart.sh itself, as a user would."""
 import json
 import re
+import shutil
 
 import pytest
 from conftest import free_port, run
@@ -46,9 +47,15 @@ def unexpected_console_lines(output: str) -> list[str]:
 
 
 @pytest.mark.multirank
-def test_quickstart_learns(tmp_path):
+def test_quickstart_learns(tiny, tmp_path):
+    """Its first two phases are the session's tiny model (conftest's `tiny` runs the same three
+    commands; their console is checked here too): the quickstart finds them and trains. The
+    agentic quickstart below runs every phase of the script."""
+    for part in ("data", "model", "warm"):
+        shutil.copytree(tiny[part], tmp_path / "tiny" / part)
     proc = run(["bash", "launch/quickstart.sh"], timeout=800,
                env={"RUN_DIR": str(tmp_path / "tiny"), "MASTER_PORT": str(free_port())})
+    assert "== 1/3" not in proc.stdout and "== 3/3 GRPO" in proc.stdout
     results = json.load(open(tmp_path / "tiny" / "grpo" / "eval_results.json"))
     before = results["before"]["rewards/answer_match"]
     after = results["after"]["rewards/answer_match"]
@@ -59,7 +66,8 @@ def test_quickstart_learns(tmp_path):
     # vLLM's expected per-sync reload warnings are filtered (rollout/generators.py), nothing else
     assert "Failed to load weights" not in proc.stdout + proc.stderr
     assert "Successfully reset prefix cache" not in proc.stdout + proc.stderr  # vLLM INFO is off by default
-    noise = unexpected_console_lines(proc.stdout) + unexpected_console_lines(proc.stderr)
+    noise = [line for output in (tiny["console"], proc.stdout, proc.stderr)
+             for line in unexpected_console_lines(output)]
     assert not noise, "lines on the quickstart's console that its list does not allow:\n" + "\n".join(noise)
     for shown in (r"\[megagrpo\] world 2 = dp 2 .*", r"\[megagrpo\] held-out before training: .*",
                   r"\[megagrpo\] step 40/40 .*", r"\[megagrpo\] held-out after training: .*", r"\[megagrpo\] done: .*"):
