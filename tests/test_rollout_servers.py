@@ -16,7 +16,7 @@ import psutil
 import pytest
 import requests
 import torch
-from conftest import ROOT, run, signal_job, tiny_overrides, torchrun
+from conftest import BIN, ROOT, free_port, run, signal_job, tiny_overrides, torchrun
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -297,14 +297,16 @@ def test_server_settings_refused_with_the_fix(tiny, tmp_path):
 
 @pytest.mark.multirank
 def test_generating_ranks_in_the_job_equal_colocated(tiny, tmp_path, colocated):
-    """rollout.placement=disaggregated: 3 ranks through torchrun, ranks 0-1 train (ZeRO-3) in a
-    world of their own and rank 2 runs the job's vLLM server; the run equals the co-located one,
-    and the server is gone with the job. A generating rank SIGKILLed mid-run ends the job non-zero
-    within 60 s, naming the rank, and its server goes with it."""
+    """rollout.placement=disaggregated: 3 ranks through the deepspeed launcher, ranks 0-1 train
+    (ZeRO-3) in a world of their own and rank 2 runs the job's vLLM server, meeting them in the
+    rendezvous store that trainer rank 0's process holds; the run equals the co-located one, and
+    the server is gone with the job. A generating rank SIGKILLed mid-run (torchrun, whose agent
+    holds the store) ends the job non-zero within 60 s, naming the rank, and its server goes
+    with it."""
     out = tmp_path / "disaggregated"
-    proc = run([*torchrun(3, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
-                *tiny_overrides(tiny, out), *COMMON, "rollout.placement=disaggregated", "rollout.ranks=1"],
-               timeout=600)
+    proc = run([f"{BIN}/deepspeed", "--num_gpus", "3", "--master_port", str(free_port()), "--module",
+                "megagrpo.train", "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, out), *COMMON,
+                "rollout.placement=disaggregated", "rollout.ranks=1"], timeout=600)
     _assert_equal_runs(colocated, out)
     assert "world 2 = dp 2 x tp 1 x pp 1" in proc.stdout  # the trainers' world
     url = proc.stdout.split("generator server 0 serving at ", 1)[1].split()[0]
