@@ -17,7 +17,7 @@ if [ "${LORA:-0}" = 1 ]; then
   RUN_DIR="${RUN_DIR:-runs/tiny}" CONFIG=configs/tiny_lora.yaml TASK=add TOOLS="" TOOL_TOKENS="" GRPO_DIR=grpo_lora
 elif [ "$AGENT" = 1 ]; then
   # multi-turn rows differ in length: the warm start pads each half of a length-sorted batch alone
-  RUN_DIR="${RUN_DIR:-runs/agent}" CONFIG=configs/tiny_agent.yaml TASK=multiply TOOLS="--tools python --micro-batches 2"
+  RUN_DIR="${RUN_DIR:-runs/agent}" CONFIG=configs/tiny_agent.yaml TASK=multiply TOOLS="--tools python --micro-batches 2 --steps 400"
   TOOL_TOKENS="--tool-tokens"
 else
   RUN_DIR="${RUN_DIR:-runs/tiny}" CONFIG=configs/tiny_arith.yaml TASK=add TOOLS="" TOOL_TOKENS=""

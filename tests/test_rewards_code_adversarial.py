@@ -59,9 +59,10 @@ def test_hostile_program(reward, honest_wrong, name):
     host = HostSnapshot()
     value, reason, components = judge(reward, PROGRAMS[name], time_budget_s=0.05)
     assert math.isfinite(value)
-    if name == "fakes_fast_timing":  # right but slow (3 calls of 0.3 s): its clock cannot hide that
-        assert components["tests"] == 1.0 and components["efficiency"] <= 0.05 / 0.9 + 1e-6, components
-        assert value <= 0.2 + 0.6 + 0.2 * 0.05 / 0.9 + 1e-6
+    if name == "fakes_fast_timing":  # right but slow (3 calls of 0.1 s): its clock cannot hide that
+        # (0.3 s of sleep against the 2 s timeout: room for a loaded machine's interpreter start)
+        assert components["tests"] == 1.0 and components["efficiency"] <= 0.05 / 0.3 + 1e-6, components
+        assert value <= 0.2 + 0.6 + 0.2 * 0.05 / 0.3 + 1e-6
     else:
         assert value <= honest_wrong + 1e-9 and reason, (value, reason)
     assert host.changes() == []

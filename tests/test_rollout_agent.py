@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
 import agent_tools
 
 from megagrpo.config.schema import ConfigError
+from megagrpo.data import Prompt
 from megagrpo.policy.batch import Completion, make_batch
 from megagrpo.rollout.agent import ToolMessageRenderer
 from megagrpo.rollout.tools import ToolRunner, Toolset, check_arguments, hermes
@@ -87,6 +88,43 @@ def test_bad_calls_become_errors_and_calls_of_a_turn_run_concurrently(monkeypatc
         assert turn[-1].content.startswith("error: more than 6 tool calls")
     good = runner.run([(hermes('<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>'), None)])
     assert good[0][0].content == "value of k" and good[0][0].error_kind is None
+
+
+class _ScriptedTurns:
+    """A generator (rollout/generators.py's interface) that answers every request with its
+    script's next turn: (text, the weight version the server tagged its tokens with)."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script = tokenizer, list(script)
+
+    def generate(self, prompt_ids, n, seeds, greedy=False, max_tokens=None):
+        text, version = self.script.pop(0)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return [[Completion(ids, [-1.0] * len(ids), False, versions=[version] * len(ids))] for _ in prompt_ids]
+
+
+def test_a_trajectory_carries_each_turns_weight_versions(tiny, tmp_path, monkeypatch):
+    """rollout.partial_rollouts with tools: a turn sampled after a weight update carries the new
+    version, a tool result's tokens the version of the turn they answer, and the trajectory's
+    versions line up with its tokens."""
+    from megagrpo.rollout.agent import AgentLoop
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "tests", "helpers"))
+    toolset = _function_toolset(tmp_path, max_turns=2, tools=f"[{HELPERS}:lookup]")
+    cfg = load_config(None, ["rollout.max_turns=2", f"rollout.tools=[{HELPERS}:lookup]",
+                             f"model.name_or_path={tiny['warm']}", f"data.train_file={tmp_path / 'd.jsonl'}",
+                             "deepspeed={}"], training=False)
+    tokenizer = AutoTokenizer.from_pretrained(tiny["warm"])
+    call = '<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>'
+    loop = AgentLoop(cfg, _ScriptedTurns(tokenizer, [(call, 3), ("the answer", 4)]), tokenizer, toolset)
+    prompt = Prompt("x", tokenizer("x")["input_ids"], messages=[{"role": "user", "content": "x"}])
+    [[trajectory]] = loop.generate([prompt], n=1, seeds=[0])
+    assert trajectory.turns == 2 and trajectory.tool_calls == 1
+    assert len(trajectory.versions) == len(trajectory.token_ids) == len(trajectory.logprobs)
+    first, answer = trajectory.model_mask.index(0), len(trajectory.token_ids) - trajectory.model_mask[::-1].index(0)
+    assert set(trajectory.versions[:first]) == {3}  # the first turn
+    assert set(trajectory.versions[first:answer]) == {3} and 0 not in trajectory.model_mask[answer:]  # its tool result
+    assert set(trajectory.versions[answer:]) == {4}  # the turn sampled after the update
 
 
 def test_tool_message_tokens_follow_the_template_and_split_special_tokens(tiny):

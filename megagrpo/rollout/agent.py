@@ -139,6 +139,8 @@ class AgentLoop:
         t.token_ids += c.token_ids
         t.logprobs += c.logprobs
         t.model_mask += [1] * len(c.token_ids)
+        if c.versions is not None:  # (partial rollouts) the weights that sampled each token
+            t.versions = (t.versions or []) + c.versions
         t.turns += 1
         text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         run.calls = [] if c.truncated else self.parse(self.tokenizer.decode(c.token_ids, skip_special_tokens=False))
@@ -177,6 +179,8 @@ class AgentLoop:
             t.token_ids += ids
             t.logprobs += [0.0] * len(ids)
             t.model_mask += [0] * len(ids)
+            if t.versions:  # a tool result's tokens: those of the turn it answers (not trained on)
+                t.versions += [t.versions[-1]] * len(ids)
             t.messages += shown
 
     def _finish(self, run: "_Running") -> None:

@@ -132,7 +132,7 @@ PROGRAMS = {
     # ---- timing --------------------------------------------------------------------------------
     "fakes_fast_timing": "import time\n_sleep = time.sleep\n"
                          "time.perf_counter = time.monotonic = time.time = lambda: 0.0\n"
-                         "def add(a, b):\n    _sleep(0.3)\n    return a + b\n",
+                         "def add(a, b):\n    _sleep(0.1)\n    return a + b\n",
     # ---- killing or signalling ---------------------------------------------------------------
     "kills_everything_it_can": "import os, signal\nfor pid in range(1, 200):\n"
                                "    for sig in (signal.SIGSTOP, signal.SIGKILL):\n"
