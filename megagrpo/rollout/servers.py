@@ -72,20 +72,19 @@ class Server:
     def post(self, path: str, body: dict | None = None, retry: bool = True) -> dict:
         return self._call(requests.post, path, body, retry)
 
-    def _call(self, method, path: str, body: dict | None, retry: bool = True, read=None):
-        """One request, tried again (rollout.server_retries) when the server does not answer
-        or answers 5xx; a 4xx (a request it refuses) is not, nor a step of a weight update
-        (retry=False: half an update cannot be sent again). read(reply): a streamed reply's
-        reader (its result is returned); by default the JSON body."""
+    def _call(self, method, path: str, body: dict | None, retry: bool = True) -> dict:
+        """One request (its JSON reply), tried again (rollout.server_retries) when the server
+        does not answer or answers 5xx; a 4xx (a request it refuses) is not, nor a step of a
+        weight update (retry=False: half an update cannot be sent again)."""
         error = None
         tries = 1 + self.retries if retry else 1
         for attempt in range(tries):
             if attempt:
                 time.sleep(min(2 ** attempt, 10))
             try:
-                with method(f"{self.url}/{path}", json=body, timeout=self.timeout_s, stream=read is not None) as reply:
+                with method(f"{self.url}/{path}", json=body, timeout=self.timeout_s) as reply:
                     if reply.status_code < 400:
-                        return read(reply) if read else (reply.json() if reply.content else {})
+                        return reply.json() if reply.content else {}
                     error = f"HTTP {reply.status_code}: {reply.text[:500]}"
             except requests.RequestException as e:
                 error = f"{type(e).__name__}: {e}"

@@ -32,7 +32,7 @@ def main():
     topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size,
                                 generator_tp=cfg.rollout.tensor_parallel_size)
     trainer = Trainer(cfg, topology)
-    trainer.sync_generator_weights()
+    trainer.sync_generator_weights(trainer.step)
     metrics = []
     for _ in range(steps):
         metrics.append(trainer.train_step())

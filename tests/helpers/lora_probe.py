@@ -74,7 +74,7 @@ def main():
               "optimizer_state_numel": optimizer_state_numel(policy.optimizer),
               "trained_numel": sum(t.numel() for t in adapters_before.values()),
               "frozen_numel": sum(t.numel() for t in frozen_before.values())}
-    trainer.sync_generator_weights()  # the first sync: every weight
+    trainer.sync_generator_weights(trainer.step)  # the first sync: every weight
     for _ in range(3):
         metrics = trainer.train_step()  # ends with the sync of the adapted layers only
         trainer.step += 1

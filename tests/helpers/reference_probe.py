@@ -26,7 +26,7 @@ def main():
     cfg = load_config(args.config, args.overrides)
     topology = init_distributed()
     trainer = Trainer(cfg, topology)
-    trainer.sync_generator_weights()
+    trainer.sync_generator_weights(trainer.step)
     records = [{"policy": whole(trainer.policy.engine.module), "reference": whole(trainer.policy.reference.module)}]
     for _ in range(3):
         trainer.train_step()

@@ -37,7 +37,7 @@ def main():
         with torch.no_grad():
             return completion_logprobs(trainer.policy.engine, batch, 1.0)[0][0].tolist()
 
-    trainer.sync_generator_weights()
+    trainer.sync_generator_weights(trainer.step)
     result = {"completion_text": COMPLETION_TEXT, "completion": completion,
               "engine_before": trainer.generator.score([(prompt + completion, len(prompt))])[0],
               "trainer_before": trainer_logprobs()}
