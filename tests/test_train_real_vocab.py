@@ -1,6 +1,7 @@
 """A real vocabulary: a 2-layer model with Qwen2.5-0.5B's exact configuration otherwise
 (151,936 tokens, tied embeddings, hidden 896) runs GRPO on 2 ranks with ZeRO-3 and vLLM: the
-fused log-prob pass, the weight sync (tied head included) and the export at real size."""
+fused log-prob pass, the weight sync (tied head included) and the export at real size; and the
+memory planner held to the run's real peak."""
 import json
 import math
 import os
@@ -51,6 +52,17 @@ def test_real_vocabulary_grpo_on_two_ranks(tiny, tmp_path):
     assert scalars(out, "train/kl")[1] > 0  # the policy moved away from the reference
     # step 2 samples with the weights synced after step 1: the sampler's log-probs are the trainer's
     assert scalars(out, "train/sampling/sampling_logp_difference/max")[1] < 1e-4
+    # the planner holds this run's real peak (megagrpo plan --check-memory must not approve a run
+    # that dies): every phase's peak RSS of either rank within the plan, and the plan not loose
+    from megagrpo.planning import make_plan
+    from megagrpo.validation import load_config
+    plan = make_plan(load_config("configs/tiny_arith.yaml", [
+        *tiny_overrides(tiny, out), f"model.name_or_path={model}", "data.eval_file=null",
+        "grpo.per_device_train_batch_size=8"]), 2)
+    planned = sum(plan.peak.values()) / 2**30
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    measured = max(v for row in rows for k, v in row.items() if k.startswith("train/memory/peak_rss_gib/"))
+    assert measured <= planned <= 1.5 * measured, (measured, planned, plan.peak)
     exported = load_file(str(out / "hf" / "model.safetensors"))
     start = load_file(str(model / "model.safetensors"))
     assert exported["model.embed_tokens.weight"].shape == (151936, 896)
