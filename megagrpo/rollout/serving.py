@@ -157,8 +157,12 @@ def serve(cfg: Config, placement: Placement, log=lambda line: print(f"[megagrpo]
 
 
 def _tail(path: str, lines: int = 30) -> str:
+    """The log's last lines, after its last error line when that is further up (vLLM's engine
+    logs the cause, then the API process its own traceback)."""
     with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
+        log = f.readlines()
+    errors = [line for line in log[:-lines] if "Error: " in line]
+    return (f"... {errors[-1].strip()}\n...\n" if errors else "") + "".join(log[-lines:])
 
 
 def generator_ranks_client(cfg: Config):
