@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
@@ -37,6 +38,18 @@ from megagrpo.cluster.distributed import free_port  # noqa: E402
 
 SERVER_ARGS = ("--weight-transfer-config", '{"backend": "gloo"}', "--logprobs-mode", "processed_logprobs",
                "--no-enable-chunked-prefill", "--enable-scale-out")
+
+
+class Task(NamedTuple):
+    run: str               # folder with data/ and the model folder
+    model: str             # the model folder in it: warm (warm-started) or model (random)
+    config: str
+    steps: int
+    evaluate: bool         # held-out accuracy before and after
+    extra: list            # overrides of every row
+    env: dict
+    variants: list         # the server rows: (name, overrides)
+    generating_rank: bool  # also rows with a generating rank in the job
 
 
 def train(config: str, model: str, run: str, out: str, steps: int, *overrides: str, env=None, evaluate=False,
@@ -92,15 +105,15 @@ def main():
     partial = staleness[:2] + [(f"max_staleness {k}, partial", [f"rollout.max_staleness={k}",
                                                                  "rollout.partial_rollouts=true"]) for k in (1, 2)]
     tasks = {  # (the keys' first word is what --tasks names)
-        "agentic, tool waits": (args.agent_run, "warm", "configs/tiny_agent.yaml", args.steps, False,
-                                ["rollout.tools=[{name: bench.remote_tools:python}]"],
-                                {"BENCH_TOOL_WAIT_S": str(args.tool_wait_s)}, staleness, True),
-        "single-turn": (args.arith_run, "warm", "configs/tiny_arith.yaml", args.arith_steps, True, [], {}, staleness,
-                        True),
+        "agentic, tool waits": Task(args.agent_run, "warm", "configs/tiny_agent.yaml", args.steps, False,
+                                    ["rollout.tools=[{name: bench.remote_tools:python}]"],
+                                    {"BENCH_TOOL_WAIT_S": str(args.tool_wait_s)}, staleness, True),
+        "single-turn": Task(args.arith_run, "warm", "configs/tiny_arith.yaml", args.arith_steps, True, [], {},
+                            staleness, True),
         # the random tiny model seldom stops: lengths from a few tokens to 448, a batch as long as its longest
-        "long-tail, single-turn": (args.arith_run, "model", "configs/tiny_arith.yaml", args.steps, False,
-                                   ["rollout.max_new_tokens=448", "grpo.per_device_train_batch_size=16"], {}, partial,
-                                   False),
+        "long-tail, single-turn": Task(args.arith_run, "model", "configs/tiny_arith.yaml", args.steps, False,
+                                       ["rollout.max_new_tokens=448", "grpo.per_device_train_batch_size=16"], {},
+                                       partial, False),
     }
     results = []
     for task, (run, model, config, steps, evaluate, extra, env, variants, generating_rank) in tasks.items():

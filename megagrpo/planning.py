@@ -33,7 +33,7 @@ import torch
 
 from megagrpo.cluster.placement import check_disaggregated, check_generator_layout
 from megagrpo.cluster.topology import Topology
-from megagrpo.config.deepspeed_json import zero_stage
+from megagrpo.config.deepspeed_json import read_deepspeed_config, zero_stage
 from megagrpo.config.schema import Config, ConfigError, max_sequence_length, require
 from megagrpo.policy.lora import count_trained_parameters
 
@@ -188,12 +188,13 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int) -> dict:
     if device == "cpu" and weight_b == 2:
         head += 2 * vocab * hidden * 4  # the float32 copy of the head and its gradient
     state = sum(plan.bytes_per_rank[k] for k in ("params", "grads", "optimizer"))
+    zero = read_deepspeed_config(cfg.deepspeed).get("zero_optimization", {})
     peak = {
         "runtime": RUNTIME_BYTES[device],
         "trainer_state": state,
-        "gradient_buckets": _bucket_bytes(cfg, trained_params, weight_b),
+        "gradient_buckets": _bucket_bytes(zero, trained_params, weight_b),
         "reference": plan.bytes_per_rank["reference"],
-        "gathered_params": _gathered_bytes(cfg, plan),
+        "gathered_params": _gathered_bytes(zero, plan, weight_b),
         "rollout": engine_bytes(cfg, plan.bytes_per_rank["rollout_weights"]),
         "activations": tokens * activation_bytes_per_token(config, layers, cfg.model.dtype,
                                                            cfg.model.gradient_checkpointing),
@@ -206,26 +207,21 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int) -> dict:
     return peak
 
 
-def _gathered_bytes(cfg: Config, plan: Plan) -> int:
+def _gathered_bytes(zero: dict, plan: Plan, weight_b: int) -> int:
     """ZeRO-3 gathers whole parameters to use them: the weight sync's stream, and the forward and
     backward, which keep up to stage3_max_live_parameters (default 1e9) of them gathered while
     they will be used again soon. Measured: a 2-layer model of Qwen2.5-0.5B's shape (151,936-token
     vocabulary, 166M parameters, float32, 2 ranks) held 0.62 GiB, its whole model, more than the
     plan without this term (tests/test_train_real_vocab.py holds the plan to that run)."""
-    from megagrpo.config.deepspeed_json import read_deepspeed_config
     if plan.zero_stage < 3:
         return 0  # the parameters are whole already (trainer_state)
-    zero = read_deepspeed_config(cfg.deepspeed).get("zero_optimization", {})
     whole = plan.bytes_per_rank["params"] * plan.dp  # this rank's share of the model, ungathered by dp
-    weight_b = 4 if cfg.model.dtype == "float32" else 2
     return min(whole, int(float(zero.get("stage3_max_live_parameters", 1e9))) * weight_b)
 
 
-def _bucket_bytes(cfg: Config, trained_params: int, weight_b: int) -> int:
+def _bucket_bytes(zero: dict, trained_params: int, weight_b: int) -> int:
     """DeepSpeed's gradient reduction bucket (ZeRO 1-3, contiguous gradients): reduce_bucket_size
     elements (default 5e8) of the gradient dtype, filled as far as the model's gradients go."""
-    from megagrpo.config.deepspeed_json import read_deepspeed_config
-    zero = read_deepspeed_config(cfg.deepspeed).get("zero_optimization", {})
     if zero.get("stage", 0) == 0 or not zero.get("contiguous_gradients", True):
         return 0
     return min(int(float(zero.get("reduce_bucket_size", 5e8))), trained_params) * weight_b
