@@ -13,7 +13,8 @@
 # (GPU_CHECK_OUT overrides both), and prints it at the end. Nothing is downloaded: a check whose
 # packages are absent (vllm's CUDA build, flash_attn, deepspeed, ...) says "missing: ..." and
 # without a CUDA device every check says "no CUDA: ...". Wheels in GPU_CHECK_WHEELS (default
-# .whl/, if there) are installed first with pip --no-index into the run's folder. Exit code:
+# .whl/, if there; bench/gpu_wheels.sh makes them) are installed first with pip --no-index into
+# the run's folder. Exit code:
 # pytest's (0 when no check failed; skipped ones do not count), 1 without pytest or without a
 # JSON, 124 when `timeout` stopped the runner.
 #

@@ -291,12 +291,16 @@ def quiet_library_output() -> None:
     to a megagrpo job are filtered, and progress bars of model loading and data preparation
     are drawn on a terminal only (megagrpo/console.py, docs/upstream-issues.md). DeepSpeed and
     vLLM call collectives that torch marks deprecated (FutureWarning on every first use per
-    rank): nothing a user can act on, so those are not shown."""
+    rank): nothing a user can act on, so those are not shown; nor is torch's warning that a
+    barrier uses the current CUDA device, which in a world of one DeepSpeed leaves unbound and
+    init_distributed sets to the rank's GPU (docs/upstream-issues.md)."""
     from megagrpo.console import quiet_console
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     quiet_console()
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context",
+                            category=UserWarning)
 
 
 class Progress:

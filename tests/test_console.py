@@ -66,3 +66,22 @@ def test_known_prints_are_dropped_and_other_lines_pass(capsys):
         print("a line of its own")
         print("no newline at the end", end="")
     assert capsys.readouterr().out == "a line of its own\nno newline at the end"
+
+
+def test_a_runs_warning_filters_drop_the_known_torch_warnings_only(monkeypatch):
+    """quiet_library_output's warnings filters: torch's barrier-device warning (a world of one
+    on a GPU, seen on the first H200 run) and the deprecated-collective FutureWarning go; a
+    barrier warning of another kind still shows."""
+    import warnings
+
+    from megagrpo.metrics import quiet_library_output
+
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_library_output()
+        warnings.warn("barrier(): using the device under current context. You can specify `device_id` in "
+                      "`init_process_group` to mute this warning.", UserWarning)
+        warnings.warn("`torch.distributed._all_gather_base` is deprecated", FutureWarning)
+        warnings.warn("barrier(): something else", UserWarning)
+    assert [str(w.message) for w in seen] == ["barrier(): something else"]
