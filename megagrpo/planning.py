@@ -269,7 +269,7 @@ NODE_HEADROOM = 0.9
 """Share of a node's memory the ranks may plan to use (the rest: the OS, page cache, launcher)."""
 
 
-PIPELINE_ARCHITECTURES = ("llama", "qwen2", "mistral")
+PIPELINE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def check_layout(cfg: Config) -> None:

@@ -8,8 +8,10 @@ Every run is 2 GRPO steps with vLLM co-located; each must finish, log a finite t
 both steps and move the parameters (its HF export against the starting weights). The model is
 a random tiny Qwen2 with an untied head (tools/make_tiny_model.py --no-tie-embeddings); the
 task's reward would score all its completions zero (no advantage, no gradient), so the runs
-use a reward with spread on any text (tests/helpers/spread_reward.py). The fp32 layouts are
-also held to the one-rank run: the same losses, gradient norms and parameters.
+use a reward with spread on any text (tests/helpers/spread_reward.py). The fp32 layouts and the
+CPU-offloaded optimizer are also held to the one-rank run: the same losses, gradient norms and
+parameters. A bf16 run samples other completions than an fp32 one, so it has no fp32 twin: it
+is held to a finite loss and moved parameters.
 """
 import json
 import math
@@ -169,15 +171,22 @@ def test_tensor_parallel(untied, one_rank, tmp_path, ds):
     assert_same_run(values, exported, one_rank[1:])
 
 
+def test_zero3_offload_equals_one_rank(untied, one_rank, tmp_path):
+    """ZeRO-3 with parameters and optimizer state offloaded to CPU (DeepSpeed's CPU Adam) is the
+    one-rank run: an offload optimizer with a wrong scale or a lost update would differ."""
+    out = tmp_path / "offload"
+    # the first offload run on a machine JIT-compiles DeepSpeed's CPU Adam (minutes on 2 cores)
+    train_one_rank(untied, out, "deepspeed=configs/ds_zero3_offload.json", timeout=840)
+    assert_same_run(*check_trained(out, untied["warm"]), one_rank[1:])
+
+
 @pytest.mark.parametrize("extra", [
-    # bf16 with ZeRO-2 and no reference model
-    pytest.param(["model.dtype=bfloat16", "deepspeed=configs/ds_zero2.json", "grpo.kl_coef=0"],
-                 id="bf16-zero2-no-reference"),
-    # ZeRO-3 with parameters and optimizer state offloaded to CPU (DeepSpeed's CPU Adam), with
-    # completions cut at max_new_tokens left out of the loss. A stop string ends some of the
-    # random model's completions before the 8th token (its EOS is rare), so some are cut, not all
-    pytest.param(["deepspeed=configs/ds_zero3_offload.json", "grpo.mask_truncated_completions=true",
-                  "rollout.max_new_tokens=8", "rollout.stop=[e]"], id="zero3-offload-mask-truncated"),
+    # bf16 with ZeRO-2 and no reference model, with completions cut at max_new_tokens left out
+    # of the loss. A stop string ends some of the random model's completions before the 8th
+    # token (its EOS is rare), so some are cut, not all
+    pytest.param(["model.dtype=bfloat16", "deepspeed=configs/ds_zero2.json", "grpo.kl_coef=0",
+                  "grpo.mask_truncated_completions=true", "rollout.max_new_tokens=8", "rollout.stop=[e]"],
+                 id="bf16-zero2-no-reference-mask-truncated"),
     # CISPO on the highest-entropy fifth of the tokens, with the off-policy sequence mask (GSPO
     # and the entropy bonus are held to one rank under tp and pp: tests/test_policy_parallel.py)
     pytest.param(["grpo.loss_type=cispo", "grpo.top_entropy_quantile=0.2", "grpo.off_policy_mask_threshold=0.0"],
@@ -185,8 +194,7 @@ def test_tensor_parallel(untied, one_rank, tmp_path, ds):
 ])
 def test_single_rank_configuration(untied, tmp_path, extra):
     out = tmp_path / "run"
-    # the first offload run on a machine JIT-compiles DeepSpeed's CPU Adam (minutes on 2 cores)
-    train_one_rank(untied, out, *extra, timeout=840)
+    train_one_rank(untied, out, *extra)
     values, _ = check_trained(out, untied["warm"])
     if "grpo.kl_coef=0" in extra:  # no reference model, no KL term
         assert "train/kl" not in values

@@ -1,6 +1,8 @@
-"""Build a tiny Qwen2-architecture model and a byte-level BPE tokenizer, locally, no downloads.
+"""Build a tiny model (Qwen2 architecture unless --arch says otherwise) and a byte-level BPE
+tokenizer, locally, no downloads.
 
     python tools/make_tiny_model.py --out runs/tiny/model --corpus runs/tiny/data/sft.jsonl
+    python tools/make_tiny_model.py --arch llama --heads 4 --kv-heads 2 --hidden-size 256 --out runs/llama
     python tools/make_tiny_model.py --shape qwen2.5-0.5b --out runs/q05 --corpus runs/tiny/data/sft.jsonl
     python tools/make_tiny_model.py --shape qwen2.5-0.5b --layers 2 --out runs/q05-2l   # CI-sized, real vocab
 
@@ -14,6 +16,10 @@ printable ASCII, so that any text encodes) and carries a ChatML chat template th
 tools and tool results (Qwen2.5's layout, shortened); <|im_end|> is the EOS token. --tool-tokens
 adds <tool_call>, </tool_call>, <tool_response> and </tool_response> as single tokens (the
 agentic quickstart's model).
+--arch picks the architecture: qwen2 (the default), qwen3 (per-head q/k RMSNorm, no attention
+bias, head_dim set apart from the hidden size), llama (Llama 3: llama3 rope scaling, theta 500k,
+an untied head) and mistral (an untied head, a 4,096-token sliding window). --tie-embeddings
+overrides the architecture's choice; --kv-heads below --heads gives grouped-query attention.
 The model is randomly initialised with transformers' own init (std 0.02) and saved as
 safetensors; head_dim is 64 (vLLM's CPU attention refuses smaller heads).
 """
@@ -25,7 +31,8 @@ import sys
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen3Config)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megagrpo.console import on_terminal, quiet_console
@@ -58,6 +65,30 @@ SHAPES = {
     "qwen2.5-1.5b": dict(hidden_size=1536, layers=28, heads=12, kv_heads=2, intermediate_size=8960,
                          vocab_size=151936, max_positions=32768, tie_embeddings=True, rope_theta=1e6),
 }
+
+
+# each architecture's config class, what differs from the shared sizes, and whether its head is tied
+ARCHS = {
+    "qwen2": (Qwen2Config, {}, True),
+    "qwen3": (Qwen3Config, {"attention_bias": False}, True),
+    "llama": (LlamaConfig, {"attention_bias": False, "mlp_bias": False}, False),
+    "mistral": (MistralConfig, {"sliding_window": 4096}, False),
+}
+
+
+def model_config(args, **ids):
+    """The --arch configuration at the requested sizes (ids: the tokenizer's special ids)."""
+    config_class, extra, tied = ARCHS[args.arch]
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.arch == "llama":  # Llama 3.1's scaling of the low frequencies
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    tie = tied if args.tie_embeddings is None else args.tie_embeddings
+    return config_class(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+                        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                        head_dim=args.hidden_size // args.heads, intermediate_size=args.intermediate_size,
+                        max_position_embeddings=args.max_positions, tie_word_embeddings=tie,
+                        rope_parameters=rope, torch_dtype=args.dtype, **extra, **ids)
 
 
 def corpus_texts(paths: list[str]):
@@ -139,8 +170,11 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=384)
     p.add_argument("--max-positions", type=int, default=1024)
-    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--arch", choices=sorted(ARCHS), default="qwen2", help="the model's architecture")
+    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="tie the head to the embedding (default: as the architecture's small models do: "
+                        "qwen2 and qwen3 tied, llama and mistral not)")
+    p.add_argument("--rope-theta", type=float, default=10000.0, help="(llama: its own 500k, llama3-scaled)")
     p.add_argument("--shape", choices=sorted(SHAPES),
                    help="a real model's exact configuration (other flags override its values)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="saved weights")
@@ -157,33 +191,23 @@ def main(argv=None):
     quiet_console()  # no progress bars (transformers' `Writing model shards`) off a terminal
 
     torch.manual_seed(args.seed)
+    name = f"{shape or 'tiny'} {ARCHS[args.arch][0].__name__.removesuffix('Config')}"
     if args.config_only:
-        config = Qwen2Config(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-                             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                             intermediate_size=args.intermediate_size, max_position_embeddings=args.max_positions,
-                             tie_word_embeddings=args.tie_embeddings, torch_dtype=args.dtype,
-                             rope_theta=args.rope_theta)
-        config.save_pretrained(args.out)
-        print(f"{shape or 'tiny'} Qwen2 config (no weights) -> {args.out}")
+        model_config(args).save_pretrained(args.out)
+        print(f"{name} config (no weights) -> {args.out}")
         return
     tokenizer = build_tokenizer(args.corpus, args.vocab_size, pad_to_size=shape is not None,
                                 tool_tokens=args.tool_tokens)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        intermediate_size=args.intermediate_size, max_position_embeddings=args.max_positions,
-        tie_word_embeddings=args.tie_embeddings, eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, torch_dtype=args.dtype,
-        rope_theta=args.rope_theta,
-    )
-    model = Qwen2ForCausalLM(config).to(getattr(torch, args.dtype))
+    args.vocab_size = len(tokenizer)
+    config = model_config(args, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, args.dtype))
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
     n = sum(p.numel() for p in model.parameters())
-    print(f"{shape or 'tiny'} Qwen2: {n / 1e6:.2f}M parameters, vocab {len(tokenizer)}, "
+    print(f"{name}: {n / 1e6:.2f}M parameters, vocab {len(tokenizer)}, "
           f"head_dim {args.hidden_size // args.heads} -> {args.out}")
 
 

@@ -145,6 +145,9 @@ COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 """Linear layers split along their outputs (weight and bias dim 0) under tensor parallelism."""
 ROW_PARALLEL = ("o_proj", "down_proj")
 """Linear layers split along their inputs (weight dim 1; a bias stays whole)."""
+HEAD_NORMS = ("q_norm", "k_norm")
+"""Replicated norms applied to each attention head (Qwen3): each tp rank sees only its own heads,
+so their gradients are summed over the tp group."""
 
 
 def tensor_parallel_dim(hf_name: str, tensor_dims: int) -> Optional[int]:
@@ -161,7 +164,8 @@ def tensor_parallel_dim(hf_name: str, tensor_dims: int) -> Optional[int]:
 
 def split_for_tensor_parallel(layer: torch.nn.Module, tp_group, config, prefix: str) -> None:
     """Replace the linear layers of one decoder layer by DeepSpeed's AutoTP training layers,
-    which keep this rank's slice (the attention keeps a block of whole heads)."""
+    which keep this rank's slice (the attention keeps a block of whole heads); per-head norms
+get their gradients summed over the tp group (HEAD_NORMS)."""
     from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode
     from deepspeed.module_inject.tp_shard import AutoTPMeta
     set_autotp_mode(training=True)
@@ -171,6 +175,15 @@ def split_for_tensor_parallel(layer: torch.nn.Module, tp_group, config, prefix: 
         kind = LinearLayer if leaf in COLUMN_PARALLEL else LinearAllreduce if leaf in ROW_PARALLEL else None
         if kind is not None and isinstance(child, torch.nn.Linear):
             setattr(layer.get_submodule(parent_name), leaf, kind(child, tp_group, name=prefix + name, tp_meta=meta))
+        if leaf in HEAD_NORMS:
+            for param in child.parameters():
+                param.register_hook(functools.partial(_summed_over, group=tp_group))
+
+
+def _summed_over(grad: torch.Tensor, group) -> torch.Tensor:
+    grad = grad.contiguous()
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 class DecoderLayer(torch.nn.Module):

@@ -44,8 +44,11 @@ class ZeroPolicy(Policy):
             model = load_model(self.cfg, self.deepspeed).eval().requires_grad_(False)
             return model.to(get_accelerator().current_device_name())
         settings = self.deepspeed.for_frozen_model(zero3=True, offload=self.cfg.model.ref_offload)
-        model = load_model(self.cfg, settings).eval().requires_grad_(False)
+        model = load_model(self.cfg, settings).eval()
+        # frozen after initialize: AutoTP registers gradient hooks on replicated parameters that
+        # see split activations (Qwen3's q/k norms), and a frozen tensor refuses a hook
         engine, _, _, _ = deepspeed.initialize(model=model, config=settings.config)
+        engine.module.requires_grad_(False)
         engine.eval()
         return engine
 
