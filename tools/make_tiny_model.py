@@ -31,8 +31,15 @@ import sys
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen3Config)
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megagrpo.console import on_terminal, quiet_console
