@@ -120,3 +120,24 @@ def test_the_report_says_which_sandbox_judged_the_run(tmp_path, capsys):
     assert sandbox_lines(read_metrics(str(mixed))) == [
         "Sandbox of the code reward: bubblewrap (namespaces, seccomp, cgroups for 50% of the completions)"]
     assert sandbox_lines(read_metrics(str(write_run([{"step": 1, "train/reward": 0.1}])))) == []
+
+
+def test_the_process_limit_without_root_leaves_room_above_the_users_own_tasks():
+    """Without root RLIMIT_NPROC counts every task of the user (this process's threads too): an
+    execution's limit is the user's task count plus room for the executions beside it, and a
+    long-lived one keeps the user's limit. As root each execution's uid has the plain limit."""
+    import threading
+
+    from megagrpo.sandbox import command
+
+    assert command.tasks_of_uid(os.getuid()) >= threading.active_count()
+    sandbox = Sandbox(SandboxLimits(**LIMITS), mode="rlimits")
+    for as_root in (True, False):
+        sandbox.as_root = as_root
+        limits = [arg for arg in sandbox._rlimit_args(long_lived=False) if arg.startswith("--nproc=")]
+        lived = [arg for arg in sandbox._rlimit_args(long_lived=True) if arg.startswith("--nproc=")]
+        processes = sandbox.limits.processes
+        if as_root:
+            assert limits == lived == [f"--nproc={processes}"]
+        else:
+            assert lived == [] and int(limits[0].split("=")[1]) >= processes * command.SHARED_PROCESS_LIMIT + 1

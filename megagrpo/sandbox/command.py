@@ -46,6 +46,8 @@ from megagrpo.sandbox.process import (
 # Every execution ends in exactly one of these (fixed, so ranks can reduce counts of them).
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash", "sandbox_error")
 FALLBACK_PROCESSES = 4  # the process limit without a cgroup: memory <= processes x memory_mb
+SHARED_PROCESS_LIMIT = 8  # without root: executions one process limit is sized for (a code reward's
+                          # workers, each a solution and its trusted side; docs/sandbox.md)
 MINIMAL_DEV = ("null", "zero", "urandom")
 
 # Runs first in the sandbox (python3 -c BOOT LABEL STARTED_FD MAIN_FD [name=fd ...] -- args): says
@@ -92,6 +94,22 @@ class SandboxLimits:
     cgroup at most FALLBACK_PROCESSES)."""
     output_bytes: int = 64 * 1024
     """stdout and stderr are each cut at this many bytes; more kills the program."""
+
+
+def tasks_of_uid(uid: int) -> int:
+    """Processes and threads whose real uid is `uid` (what RLIMIT_NPROC counts), from /proc."""
+    count = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if line.startswith(("Uid:", "Threads:")))
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+        if "Uid" in fields and int(fields["Uid"].split()[0]) == uid:
+            count += int(fields.get("Threads", "1"))
+    return count
 
 
 @dataclass
@@ -211,9 +229,19 @@ class Sandbox:
             return []
         # a long-lived process sets the CPU limit of each job itself (its own CPU time adds up)
         cpu = "unlimited" if long_lived else str(lim.cpu_s)
+        # RLIMIT_NPROC counts every task of the uid. As root each execution has a uid of its own.
+        # Otherwise the user's tasks (the trainer's threads too) count against it, and so do the
+        # executions that start beside this one: it may start `processes` more than the user runs
+        # now for each of SHARED_PROCESS_LIMIT executions. A long-lived process (the code reward's
+        # trusted side, which forks per job as the user's task count changes) keeps the user's own
+        processes = [f"--nproc={lim.processes}"]
+        if not self.as_root and long_lived:
+            processes = []
+        elif not self.as_root:
+            processes = [f"--nproc={tasks_of_uid(os.getuid()) + lim.processes * SHARED_PROCESS_LIMIT}"]
         return [self.prlimit, f"--cpu={cpu}", f"--as={lim.memory_mb * 2**20}",
                 f"--fsize={lim.file_size_mb * 2**20}", f"--nofile={lim.open_files}",
-                f"--nproc={lim.processes}", "--core=0", "--"]
+                *processes, "--core=0", "--"]
 
     def _bwrap_args(self, status_fd: int, seccomp_fd: int | None) -> list[str]:
         args = [self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
