@@ -3,10 +3,12 @@ the main rank, the progress bar (or a compact line per logged step when stdout i
 terminal), and the libraries' console noise kept down."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import sys
+import threading
 import time
 import warnings
 from typing import Optional
@@ -195,6 +197,7 @@ class StartupTimeline:
     def lap(self, phase: str) -> None:
         now = time.time()
         self.seconds[phase], self._last = self.seconds.get(phase, 0.0) + now - self._last, now
+        _last_phase[0] = phase
 
     def slowest(self) -> dict:
         """The phases of the job's slowest rank (the one whose process start lies furthest
@@ -238,6 +241,7 @@ class PhaseClock:
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
         self.seconds[phase], self._start = self.seconds.get(phase, 0.0) + now - self._start, now
+        _last_phase[0] = phase
         self.peak_rss_gib[phase] = max(self.peak_rss_gib.get(phase, 0.0), _status_gib("VmHWM"))
         _reset_peak_rss()
         if torch.cuda.is_available():
@@ -276,6 +280,53 @@ def _reset_peak_rss() -> None:
             f.write("5")
     except OSError:
         pass
+
+
+_last_phase = ["start-up"]  # the phase a PhaseClock or the start-up timeline lapped last
+
+
+class MemoryWatch(threading.Thread):
+    """One line on stderr before the kernel's OOM killer ends a rank (a launcher says only `exits
+    with return code = -9`): when the node has under NODE_FREE of its memory free and this rank
+    holds more than the plan's peak per rank (any amount without a plan), it names the phase
+    last finished, its RSS and the plan's figure, once per phase."""
+
+    NODE_FREE = 0.05
+
+    def __init__(self, rank: int, planned_gib: Optional[float], meminfo: str = "/proc/meminfo"):
+        super().__init__(daemon=True, name="megagrpo-memory-watch")
+        self.rank, self.planned_gib, self.meminfo, self.warned = rank, planned_gib, meminfo, set()
+
+    @classmethod
+    def for_run(cls, rank: int, planned_gib: Optional[float]) -> "MemoryWatch":
+        watch = cls(rank, planned_gib)
+        watch.start()
+        return watch
+
+    def check(self) -> Optional[str]:
+        """The warning line when it is due, else None."""
+        node = {}
+        with contextlib.suppress(OSError, ValueError, IndexError), open(self.meminfo) as f:
+            node = {k: int(v.split()[0]) / 2**20 for k, _, v in (line.partition(":") for line in f)
+                    if k in ("MemTotal", "MemAvailable")}
+        total, available = node.get("MemTotal", 0.0), node.get("MemAvailable", 0.0)
+        rss, phase = _status_gib("VmRSS"), _last_phase[0]
+        if not total or available > self.NODE_FREE * total or phase in self.warned or (
+                self.planned_gib is not None and rss <= self.planned_gib):
+            return None
+        self.warned.add(phase)
+        plan = (f"above the plan's {self.planned_gib:.2f} GiB per rank" if self.planned_gib is not None
+                else "(no plan of host memory for this layout)")
+        return (f"[megagrpo] rank {self.rank}: the node has {available:.2f} of {total:.2f} GiB free and this "
+                f"rank holds {rss:.2f} GiB, {plan}, after the '{phase}' phase; the kernel may end the run "
+                "(a rank it kills exits with -9). `megagrpo plan --check-memory` says what would fit")
+
+    def run(self) -> None:
+        while True:
+            time.sleep(0.5)
+            line = self.check()
+            if line:
+                print(line, file=sys.stderr, flush=True)
 
 
 def samples_markdown(prompt, texts: list[str], rewards: list[float]) -> str:

@@ -89,6 +89,17 @@ def count_parameters(model_path: str) -> tuple[int, int]:
     return total, sharded
 
 
+def planned_host_peak_gib(cfg: Config, world_size: int) -> Optional[float]:
+    """The plan's peak per rank in GiB where it is host memory (no CUDA), for the memory watch
+    (metrics.MemoryWatch); None on GPUs or where the planner cannot read the config."""
+    if torch.cuda.is_available():
+        return None
+    try:
+        return sum(make_plan(cfg, world_size).peak.values()) / 2**30
+    except (ConfigError, OSError, ValueError, KeyError):
+        return None
+
+
 def make_plan(cfg: Config, world_size: int) -> Plan:
     """world_size: the launch's (with placement disaggregated, its generating ranks included)."""
     tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size

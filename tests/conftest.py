@@ -40,7 +40,7 @@ def _check_marked(cmd) -> None:
                              "@pytest.mark.multirank (pytest.ini)")
 
 
-def run(cmd, timeout=600, env=None, check=True, cwd=ROOT):
+def run(cmd, timeout=600, env=None, check=True, cwd=ROOT, retry_port=True):
     """Run a command from the repository root; return the CompletedProcess (text output).
 
     The command gets its own session. On timeout every process of the job (launcher, ranks, vLLM
@@ -66,6 +66,12 @@ def run(cmd, timeout=600, env=None, check=True, cwd=ROOT):
     signal_job(proc.pid, signal.SIGKILL, processes=[])  # its group's leftovers (the leader is reaped)
     _log_launch(cmd, time.time() - started)
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if retry_port and result.returncode != 0 and "EADDRINUSE" in out + err and "--master_port" in cmd:
+        # free_port picks a port and lets it go, so another process can take it before the
+        # launcher binds it: once, the same command on a new port
+        cmd = [*cmd]
+        cmd[cmd.index("--master_port") + 1] = str(free_port())
+        return run(cmd, timeout, env, check, cwd, retry_port=False)
     if check and result.returncode != 0:
         raise AssertionError(f"{cmd} exited {result.returncode}\n--- stdout\n{out[-6000:]}\n"
                              f"--- stderr\n{err[-6000:]}")
@@ -107,6 +113,9 @@ def signal_job(pid: int, sig: int, processes=None) -> None:
 def tiny(tmp_path_factory):
     """{data, model, warm} folders: demo task, random tiny Qwen2, warm-started tiny Qwen2 (and
     console: what building them printed)."""
+    prebuilt = os.environ.get("MEGAGRPO_TEST_TINY")  # tests/run_unprivileged.sh: the root session's
+    if prebuilt:
+        return {**{k: os.path.join(prebuilt, k) for k in ("data", "model", "warm")}, "console": ""}
     base = tmp_path_factory.mktemp("tiny")
     paths = {k: str(base / k) for k in ("data", "model", "warm")}
     sft = os.path.join(paths["data"], "sft.jsonl")

@@ -22,7 +22,14 @@ traversable "$(pwd)/README.md"
 traversable .venv/bin/python
 chmod -R o+rX . && chmod -R a+rwX .venv/torch_extensions
 su "$TEST_USER" -c "git config --global --add safe.directory '$(pwd)'"  # conftest's git status check
+# the tiny model and task of tests/run.sh's session, when there is one (building them takes a minute)
+TINY="" BUILT="$(ls -td /tmp/pytest-of-root/pytest-*/tiny0 2>/dev/null | head -1 || true)"
+if [ -n "$BUILT" ] && [ -f "$BUILT/warm/config.json" ]; then
+  TINY="/tmp/megagrpo-unprivileged-tiny"
+  rm -rf "$TINY" && cp -r "$BUILT" "$TINY" && chown -R "$TEST_USER" "$TINY"
+fi
 
-exec su "$TEST_USER" -c "cd '$(pwd)' && PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -v -rs --timeout=900 \
+exec env -u MEGAGRPO_TEST_LAUNCH_LOG MEGAGRPO_TEST_TINY="$TINY" su "$TEST_USER" -c "cd '$(pwd)' && \
+  PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -v -rs --timeout=900 \
   -p no:cacheprovider tests/test_sandbox.py tests/test_sandbox_modes.py tests/test_rewards_code_adversarial.py \
   tests/test_rewards_hostile.py tests/test_evaluation.py::test_grpo_with_code_reward_and_reward_model $*"

@@ -88,3 +88,31 @@ def test_the_plan_counts_adapter_state_only(tiny, monkeypatch):
     assert plan.bytes_per_rank["grads"] == trained * 4 // 2 and plan.bytes_per_rank["optimizer"] == trained * 12 // 2
     assert plan.bytes_per_rank["reference"] == 0
     assert plan.bytes_per_rank["params"] == (plan.params_total + trained) * 4 // 2
+
+
+def test_a_rank_near_the_nodes_memory_says_so_once_per_phase(tmp_path):
+    """The memory watch (every trainer rank runs one): a line naming the phase, the rank's RSS
+    and the plan's figure once the node has under 5% free and the rank holds more than its plan;
+    nothing while the node has room or the rank is within its plan; once per phase."""
+    from megagrpo.metrics import MemoryWatch, PhaseClock
+
+    meminfo = tmp_path / "meminfo"
+
+    def node(total_gib, free_gib):
+        meminfo.write_text(f"MemTotal: {int(total_gib * 2**20)} kB\nMemFree: 1 kB\n"
+                           f"MemAvailable: {int(free_gib * 2**20)} kB\n")
+
+    watch = MemoryWatch(rank=1, planned_gib=0.01, meminfo=str(meminfo))
+    PhaseClock().lap("reference")
+    node(100, 10)
+    assert watch.check() is None  # 10% free
+    node(100, 4)
+    line = watch.check()
+    assert line.startswith("[megagrpo] rank 1: the node has 4.00 of 100.00 GiB free and this rank holds ")
+    assert "above the plan's 0.01 GiB per rank, after the 'reference' phase" in line
+    assert watch.check() is None  # said once for this phase
+    PhaseClock().lap("train")
+    assert "after the 'train' phase" in watch.check()
+    assert MemoryWatch(rank=0, planned_gib=1e6, meminfo=str(meminfo)).check() is None  # within its plan
+    assert "(no plan of host memory" in MemoryWatch(rank=0, planned_gib=None, meminfo=str(meminfo)).check()
+    assert MemoryWatch(rank=0, planned_gib=None, meminfo=str(tmp_path / "absent")).check() is None

@@ -41,6 +41,7 @@ from megagrpo.sandbox.process import (
     claim_uid_block,
     communicate,
     memory_file,
+    tasks_of_uid,
 )
 
 # Every execution ends in exactly one of these (fixed, so ranks can reduce counts of them).
@@ -94,22 +95,6 @@ class SandboxLimits:
     cgroup at most FALLBACK_PROCESSES)."""
     output_bytes: int = 64 * 1024
     """stdout and stderr are each cut at this many bytes; more kills the program."""
-
-
-def tasks_of_uid(uid: int) -> int:
-    """Processes and threads whose real uid is `uid` (what RLIMIT_NPROC counts), from /proc."""
-    count = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if line.startswith(("Uid:", "Threads:")))
-        except (OSError, ValueError):  # gone meanwhile
-            continue
-        if "Uid" in fields and int(fields["Uid"].split()[0]) == uid:
-            count += int(fields.get("Threads", "1"))
-    return count
 
 
 @dataclass

@@ -271,3 +271,19 @@ def communicate(process: SandboxProcess, stdin: bytes, deadline: float, output_b
     if not proc.stdin.closed:
         proc.stdin.close()
     return stopped, bytes(out[proc.stdout.fileno()][:output_bytes]), bytes(out[proc.stderr.fileno()][:output_bytes])
+
+
+def tasks_of_uid(uid: int) -> int:
+    """Processes and threads whose real uid is `uid` (what RLIMIT_NPROC counts), from /proc."""
+    count = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if line.startswith(("Uid:", "Threads:")))
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+        if "Uid" in fields and int(fields["Uid"].split()[0]) == uid:
+            count += int(fields.get("Threads", "1"))
+    return count
