@@ -165,7 +165,7 @@ def tensor_parallel_dim(hf_name: str, tensor_dims: int) -> Optional[int]:
 def split_for_tensor_parallel(layer: torch.nn.Module, tp_group, config, prefix: str) -> None:
     """Replace the linear layers of one decoder layer by DeepSpeed's AutoTP training layers,
     which keep this rank's slice (the attention keeps a block of whole heads); per-head norms
-get their gradients summed over the tp group (HEAD_NORMS)."""
+    get their gradients summed over the tp group (HEAD_NORMS)."""
     from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode
     from deepspeed.module_inject.tp_shard import AutoTPMeta
     set_autotp_mode(training=True)
