@@ -20,7 +20,7 @@ traversable() {  # every folder above $1 searchable by others
 }
 traversable "$(pwd)/README.md"
 traversable .venv/bin/python
-chmod -R o+rX . && chmod -R a+rwX .venv/torch_extensions
+mkdir -p .venv/torch_extensions && chmod -R o+rX . && chmod -R a+rwX .venv/torch_extensions
 su "$TEST_USER" -c "git config --global --add safe.directory '$(pwd)'"  # conftest's git status check
 # the tiny model and task of tests/run.sh's session, when there is one (building them takes a minute)
 TINY="" BUILT="$(ls -td /tmp/pytest-of-root/pytest-*/tiny0 2>/dev/null | head -1 || true)"
