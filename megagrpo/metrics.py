@@ -297,12 +297,6 @@ class MemoryWatch(threading.Thread):
         super().__init__(daemon=True, name="megagrpo-memory-watch")
         self.rank, self.planned_gib, self.meminfo, self.warned = rank, planned_gib, meminfo, set()
 
-    @classmethod
-    def for_run(cls, rank: int, planned_gib: Optional[float]) -> "MemoryWatch":
-        watch = cls(rank, planned_gib)
-        watch.start()
-        return watch
-
     def check(self) -> Optional[str]:
         """The warning line when it is due, else None."""
         node = {}

@@ -340,7 +340,7 @@ def main(argv=None) -> int:
     topology = init_distributed(args.timeout_minutes, cfg.parallel.tensor_parallel_size,
                                 cfg.parallel.pipeline_parallel_size, engine_tp(cfg))
     startup.lap("distributed")
-    MemoryWatch.for_run(topology.rank, planned_host_peak_gib(cfg, topology.world_size))  # before an OOM kill
+    MemoryWatch(topology.rank, planned_host_peak_gib(cfg, topology.world_size)).start()  # before an OOM kill
     run_rank(lambda: Trainer(cfg, topology, startup).train(), topology.rank, USER_ERRORS)
     torch.distributed.barrier()  # leave together (vLLM's exit hook tears its groups down)
     return 0
