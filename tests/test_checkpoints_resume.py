@@ -14,6 +14,9 @@ import torch
 from conftest import BIN, ROOT, run, signal_job, tiny_overrides, torchrun
 from safetensors.torch import load_file
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
+from warm_jobs import WarmJob  # noqa: E402
+
 
 def _command(tiny, out, extra):
     return [*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
@@ -130,6 +133,60 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
         assert torch.equal(a[name], b[name]), f"{name} differs after resume"
 
 
+def _saving_every_step(tiny, out, steps):
+    """The arguments of a one-rank job (transformers' sampling: a quick start) that saves after
+    every step."""
+    return ["--config", "configs/tiny_arith.yaml",
+            *tiny_overrides(tiny, out), "data.eval_file=null", "rollout.engine=hf",
+            "grpo.per_device_train_batch_size=8", "checkpoint.save_steps=1",
+            "checkpoint.keep_last=2", "logging.sample_steps=0", f"grpo.max_steps={steps}"]
+
+
+def _latest(checkpoints) -> str:
+    try:
+        return (checkpoints / "latest").read_text()
+    except FileNotFoundError:
+        return ""
+
+
+def _kill_inside_a_save(proc, checkpoints, rng) -> tuple[str, str]:
+    """Let the job's first save go through (its duration d, from the moment `<tag>.tmp` appears to
+    `latest` naming it), then SIGKILL the job at a moment drawn uniformly from the first d of its
+    next save. Returns (the tag being saved, how far the save got by the files it left)."""
+    launched, deadline, duration = time.time(), time.time() + 120, None
+
+    def saves_begun():  # a killed job's `<tag>.tmp` is older than this job
+        names = os.listdir(checkpoints) if checkpoints.is_dir() else []
+        try:
+            return [n[:-len(".tmp")] for n in names if n.startswith("step_") and n.endswith(".tmp")
+                    and os.stat(checkpoints / n).st_ctime >= launched]
+        except FileNotFoundError:  # renamed meanwhile
+            return []
+
+    while True:
+        saving = []
+        while not saving:  # polled every 0.5 ms: a save of the tiny model takes about 15 ms
+            if proc.poll() is not None or time.time() > deadline:
+                raise AssertionError(f"the run ended (rc {proc.returncode}) or stalled before a save to kill")
+            saving = saves_begun()
+            time.sleep(0.0005)
+        started, tag = time.perf_counter(), saving[0]
+        if duration is None:
+            while _latest(checkpoints) != tag and proc.poll() is None:
+                time.sleep(0.0005)
+            duration = time.perf_counter() - started
+            continue
+        time.sleep(rng.uniform(0, duration))
+        proc.kill()
+        proc.wait()
+        if (checkpoints / f"{tag}.tmp").is_dir():
+            return tag, "marked" if (checkpoints / f"{tag}.tmp" / "COMPLETE").is_file() else "writing"
+        if _latest(checkpoints) != tag:
+            return tag, "renamed"
+        steps = [n for n in os.listdir(checkpoints) if n.startswith("step_")]
+        return tag, "pointed, not pruned" if len(steps) > 2 else "done"
+
+
 def test_crash_at_every_point_of_a_save_resumes_from_a_complete_checkpoint(tiny, tmp_path):
     """SIGKILL inside the save of steps 2, 3, 4 and 5 (one point of checkpoint.save each, by the
     MEGAGRPO_CRASH_AT fault hook: files written but unmarked, marked but not renamed, renamed
@@ -140,35 +197,31 @@ def test_crash_at_every_point_of_a_save_resumes_from_a_complete_checkpoint(tiny,
     from megagrpo.checkpoints.checkpoint import CRASH_POINTS
 
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
-               *tiny_overrides(tiny, out), "data.eval_file=null", "rollout.engine=hf",
-               "grpo.per_device_train_batch_size=8", "checkpoint.save_steps=1",
-               "checkpoint.keep_last=2", "logging.sample_steps=0", "grpo.max_steps=6"]
-    resumed_at, logs = [], ""
+    argv = _saving_every_step(tiny, out, steps=6)
     for step, point in zip([2, 3, 4, 5], CRASH_POINTS):
-        proc = run(command, env={"MEGAGRPO_CRASH_AT": f"{point}:{step}"}, check=False)
-        assert proc.returncode == -signal.SIGKILL, (point, proc.returncode, proc.stderr[-3000:])
-        resumed_at += [int(m) for m in re.findall(r"resumed from .*step_(\d+) at step", proc.stdout)]
-        logs += proc.stdout
+        job = WarmJob(argv, tmp_path / "jobs.log", {"MEGAGRPO_CRASH_AT": f"{point}:{step}"})
+        assert job.wait() == -signal.SIGKILL, (point, job.returncode, (tmp_path / "jobs.log").read_text()[-3000:])
         ckpts = out / "checkpoints"
         latest = (ckpts / "latest").read_text()
         assert (ckpts / latest / "COMPLETE").is_file(), (point, latest)
-    final = run(command)
-    resumed_at += [int(m) for m in re.findall(r"resumed from .*step_(\d+) at step", final.stdout)]
+    assert WarmJob(argv, tmp_path / "jobs.log").wait() == 0
+    logs = (tmp_path / "jobs.log").read_text()
+    resumed_at = [int(m) for m in re.findall(r"resumed from .*step_(\d+) at step", logs)]
     # the checkpoint `latest` names: the previous one until the new one's rename and pointer
     # update are both done (a complete step_4 whose pointer was not written is not preferred)
     assert resumed_at == [1, 2, 3, 5], resumed_at
     assert sorted(_prompts_by_step(out)) == [1, 2, 3, 4, 5, 6]
-    assert "done: 6 steps" in final.stdout
+    assert logs.count("done: 6 steps") == 1
     assert f"ignoring incomplete checkpoint '{out / 'checkpoints' / 'step_00000002.tmp'}'" in logs
 
     # a corrupt newest checkpoint: reported by name, the previous complete one is loaded
     newest = sorted(d for d in os.listdir(out / "checkpoints") if d.startswith("step_"))[-1]
     victim = next(p for p in (out / "checkpoints" / newest).rglob("*.pt"))
     victim.write_bytes(victim.read_bytes()[:100])
-    again = run(command + ["grpo.max_steps=7"])
-    assert f"checkpoint '{out / 'checkpoints' / newest}' could not be loaded" in again.stdout
-    assert "resumed from" in again.stdout and "done: 7 steps" in again.stdout
+    assert WarmJob(argv + ["grpo.max_steps=7"], tmp_path / "again.log").wait() == 0
+    again = (tmp_path / "again.log").read_text()
+    assert f"checkpoint '{out / 'checkpoints' / newest}' could not be loaded" in again
+    assert "resumed from" in again and "done: 7 steps" in again
 
 
 @pytest.mark.multirank
@@ -256,3 +309,30 @@ def test_pruning_takes_a_checkpoints_universal_form_with_it(tmp_path):
     _prune(str(tmp_path), keep_last=2, current="step_00000003")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step_00000002", "step_00000002.universal", "step_00000003", "step_00000003.universal"]
+
+
+def test_sigkill_at_random_moments_of_saves_resumes_from_the_newest_complete_checkpoint(tiny, tmp_path):
+    """SIGKILL from outside at 10 random moments inside checkpoint saves (each job lets one save
+    through, to time it, and is killed within the next; its restart resumes), then a run to the
+    end: every restart resumes from the checkpoint `latest` named at the kill, complete, and none
+    loads a corrupt one; the run ends with each step's prompts once."""
+    import random
+
+    seed = int(os.environ.get("MEGAGRPO_TEST_SEED", time.time_ns() % 100_000))
+    rng, out = random.Random(seed), tmp_path / "run"
+    checkpoints, argv, log = out / "checkpoints", _saving_every_step(tiny, out, steps=30), tmp_path / "jobs.log"
+    kills = []
+    while len([k for k in kills if k[1] != "done"]) < 10:
+        assert len(kills) < 14, f"seed {seed}: too many kills landed after their save: {kills}"
+        tag, where = _kill_inside_a_save(WarmJob(argv, log), checkpoints, rng)
+        latest = _latest(checkpoints)
+        assert (checkpoints / latest / "COMPLETE").is_file(), (seed, tag, where, latest)
+        kills.append((tag, where, latest))
+    assert WarmJob(argv, log).wait() == 0
+    logs = log.read_text()
+    resumed = re.findall(r"resumed from .*(step_\d+) at step", logs)
+    assert resumed == [latest for _, _, latest in kills], (seed, kills, resumed)
+    assert "could not be loaded" not in logs, seed
+    assert sorted(_prompts_by_step(out)) == list(range(1, 31))
+    assert logs.count("done: 30 steps") == 1
+    print(f"seed {seed}: killed", ", ".join(f"{tag} ({where})" for tag, where, _ in kills))
