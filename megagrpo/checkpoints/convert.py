@@ -221,8 +221,9 @@ def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: i
     if not model or not os.path.isfile(os.path.join(model, "config.json")):
         raise ConvertError(f"{ckpt}: the HF folder for config and tokenizer is unknown or missing "
                            f"('{model}'); pass --model PATH (the run's model.name_or_path)")
-    if os.path.isfile(os.path.join(ckpt, ADAPTER_CONFIG)):  # a LoRA policy: merge into the base
-        tensors = lora.merged_tensors(*_adapter(ckpt, info), model, ckpt)
+    if os.path.isfile(os.path.join(ckpt, ADAPTER_CONFIG)):  # a LoRA policy: merge into the base, as the run did
+        dtype = dtype or info["trainer_state"].get("layout", {}).get("dtype")
+        tensors = lora.merged_tensors(*_adapter(ckpt, info), model, ckpt, DTYPES[dtype] if dtype else None)
     else:
         tied = json.load(open(os.path.join(model, "config.json"))).get("tie_word_embeddings", False)
         tensors = ((n, t) for n, t in hf_tensors(ckpt, model, info) if not (tied and n == "lm_head.weight"))
@@ -258,8 +259,9 @@ def adapter_to_hf(adapter_dir: str, out: str, model: str = None, dtype: str = No
     config, adapter = lora.read_adapter_folder(adapter_dir)
     model = model or config.get("base_model_name_or_path")
     log(f"{adapter_dir} + base {model} -> {out}")
-    write_safetensors(lora.merged_tensors(config, adapter, model, adapter_dir), out, shard_mb,
-                      DTYPES[dtype] if dtype else None, always_index=True)
+    cast = DTYPES[dtype] if dtype else None
+    write_safetensors(lora.merged_tensors(config, adapter, model, adapter_dir, cast), out, shard_mb, cast,
+                      always_index=True)
     _copy_side_files(model, out, dtype)
 
 
@@ -329,7 +331,8 @@ def main(argv=None) -> int:
     h.add_argument("checkpoint")
     h.add_argument("out")
     h.add_argument("--model", help="HF folder with config and tokenizer (default: the run's model)")
-    h.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: as stored)")
+    h.add_argument("--dtype", choices=sorted(DTYPES),
+                   help="output dtype (default: as stored; a LoRA checkpoint merged in the run's dtype)")
     h.add_argument("--shard-mb", type=int, default=2048, help="shard size in MiB (default 2048)")
     a = sub.add_parser("to-adapter", help="write a LoRA run's adapters as a PEFT adapter folder")
     a.add_argument("checkpoint")
@@ -339,7 +342,8 @@ def main(argv=None) -> int:
     m.add_argument("adapter")
     m.add_argument("out")
     m.add_argument("--model", help="the base model's HF folder (default: the adapter's base_model_name_or_path)")
-    m.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: the base's)")
+    m.add_argument("--dtype", choices=sorted(DTYPES),
+                   help="output dtype, the base cast to it before the merge (default: the base's)")
     m.add_argument("--shard-mb", type=int, default=2048, help="shard size in MiB (default 2048)")
     s = sub.add_parser("hf-to-pipeline", help="rewrite an HF folder as one safetensors file per "
                                               "pipeline stage (still an HF folder)")

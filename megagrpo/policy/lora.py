@@ -266,10 +266,13 @@ def read_adapter_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, load_file(weights)
 
 
-def merged_tensors(config: dict, adapter: dict, base_dir: str, source: str) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_tensors(config: dict, adapter: dict, base_dir: str, source: str,
+                   dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of base + adapter (PEFT names, from `source`), read from the base
     folder's safetensors one tensor at a time: W + (alpha / r) B A for adapted layers, the
-    adapter's copy of a module to save, the base tensor elsewhere."""
+    adapter's copy of a module to save, the base tensor elsewhere. `dtype`: the base weights
+    are cast to it first, as a run in that dtype holds them, so that the merge is the run's own
+    (for bf16: bf16(W) + s B A summed in float32, then rounded)."""
     from safetensors import safe_open
 
     if not base_dir or not os.path.isfile(os.path.join(base_dir, "config.json")):
@@ -284,6 +287,7 @@ def merged_tensors(config: dict, adapter: dict, base_dir: str, source: str) -> I
         with safe_open(os.path.join(base_dir, file), framework="pt") as f:
             for name in f.keys():
                 tensor, module = f.get_tensor(name), name.removesuffix(".weight")
+                tensor = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
                 a, b = f"{prefix}{module}.lora_A.weight", f"{prefix}{module}.lora_B.weight"
                 if name.endswith(".weight") and a in adapter:
                     delta = (adapter[b].float() @ adapter[a].float()) * scale
