@@ -31,12 +31,16 @@ def lookup(key: str) -> str:
     return f"value of {key}"
 
 
+SLOW_STARTS: list[float] = []  # time.monotonic() at each call of `slow` (tools run in threads)
+
+
 def slow(seconds: float) -> str:
     """Sleep, then answer.
 
     Args:
         seconds: how long to sleep
     """
+    SLOW_STARTS.append(time.monotonic())
     time.sleep(seconds)
     return "late"
 
