@@ -56,24 +56,32 @@ def _wait_for(condition, timeout, proc):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("variant", ["mu1", "mu2", "dynamic_sampling_moving_reference", "lora"])
+@pytest.mark.parametrize("variant", ["mu1", "mu2_multi_turn", "dynamic_sampling_moving_reference", "lora"])
 def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
-    """mu1, mu2: num_iterations 1 and 2; dynamic_sampling_moving_reference: several sampling
-    rounds a step (the sampler's position after them saved and restored) and a moving reference
-    (moved at step 2, saved with the step-3 checkpoint as each rank's partitions, restored);
-    lora: a LoRA policy, whose checkpoint holds the adapters and their optimizer state only."""
-    extra = {"mu1": ["grpo.num_iterations=1"], "mu2": ["grpo.num_iterations=2"],
+    """mu1: num_iterations 1, logging to W&B too; mu2_multi_turn: num_iterations 2, multi-turn
+    rollouts that call the python tool (sandboxed) and play an environment each turn, its reward
+    beside the task's; dynamic_sampling_moving_reference: several sampling rounds a step (the
+    sampler's position after them saved and restored) and a moving reference (moved at step 2,
+    saved with the step-3 checkpoint as each rank's partitions, restored); lora: a LoRA policy,
+    whose checkpoint holds the adapters and their optimizer state only."""
+    extra = {"mu1": ["grpo.num_iterations=1"],
+             "mu2_multi_turn": ["grpo.num_iterations=2", "rollout.max_turns=3", "rollout.max_new_tokens=16",
+                                "rollout.tool_call_parser=agent_tools:python_and_game_parser",
+                                "rollout.tools=[python]", "rollout.environment=agent_tools:NumberGame",
+                                "rollout.max_tool_response_tokens=32", "data.max_prompt_length=160",
+                                "rewards.functions=[{name: answer_match}, {name: environment, weight: 0.5}]"],
              "dynamic_sampling_moving_reference": [
                  "grpo.dynamic_sampling=true", "grpo.sync_ref_model=true", "grpo.ref_model_sync_steps=2",
                  "grpo.ref_model_mixup_alpha=0.5", "grpo.learning_rate=1e-3"],
              "lora": ["model.lora.r=8", "grpo.learning_rate=1e-3"]}[variant]
-    wandb = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    wandb = {"WANDB_MODE": "offline", "WANDB_SILENT": "true",
+             "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "helpers")])}  # agent_tools
     if variant == "mu1":  # every sink: the resumed attempt continues the same W&B run
         extra = extra + ["logging.report_to=[tensorboard,jsonl,wandb]"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run(_command(tiny, straight, extra), env=wandb)
 
-    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", **wandb}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **wandb}
     with open(tmp_path / "killed.log", "w") as log:
         proc = subprocess.Popen(_command(tiny, killed, extra), cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -93,6 +101,11 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
     assert _losses(killed) == _losses(straight)  # TensorBoard: the later events purged from view
     if variant != "dynamic_sampling_moving_reference":
         assert [json.loads(line)["step"] for line in open(killed / "prompts_seen.jsonl")] == [1, 2, 3, 4, 5, 6]
+    if variant == "mu2_multi_turn":  # the turns were taken: python calls, and the environment's reward
+        steps = [row for row in logged if "train/loss" in row]
+        assert min(row["train/turns/mean"] for row in steps) > 1, steps
+        assert min(row["train/tools/calls_per_trajectory"] for row in steps) > 1, steps
+        assert max(row["train/rewards/environment/mean"] for row in steps) > 0, steps
     if variant == "mu1":
         runs = sorted(p.name for p in (killed / "wandb").glob("offline-run-*"))
         run_id = (killed / "wandb_run_id").read_text().strip()

@@ -53,7 +53,7 @@ def test_real_vocabulary_grpo_on_two_ranks(tiny, tmp_path):
     # step 2 samples with the weights synced after step 1: the sampler's log-probs are the trainer's
     assert scalars(out, "train/sampling/sampling_logp_difference/max")[1] < 1e-4
     # the planner holds this run's real peak (megagrpo plan --check-memory must not approve a run
-    # that dies): every phase's peak RSS of either rank within the plan, and the plan not loose
+    # that dies): every phase's peak RSS of either rank within the plan, and the plan within 20%
     from megagrpo.planning import make_plan
     from megagrpo.validation import load_config
     plan = make_plan(load_config("configs/tiny_arith.yaml", [
@@ -62,7 +62,8 @@ def test_real_vocabulary_grpo_on_two_ranks(tiny, tmp_path):
     planned = sum(plan.peak.values()) / 2**30
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     measured = max(v for row in rows for k, v in row.items() if k.startswith("train/memory/peak_rss_gib/"))
-    assert measured <= planned <= 1.5 * measured, (measured, planned, plan.peak)
+    # (measured: 7.36 GiB against a plan of 8.23, 1.12)
+    assert measured <= planned <= 1.2 * measured, (measured, planned, plan.peak)
     exported = load_file(str(out / "hf" / "model.safetensors"))
     start = load_file(str(model / "model.safetensors"))
     assert exported["model.embed_tokens.weight"].shape == (151936, 896)

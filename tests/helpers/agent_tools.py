@@ -103,10 +103,18 @@ def every_call_parser(text: str):
     """Every turn makes each bad call, one good python call and one guess (the number is the
     turn's length mod 10)."""
     script = "".join(call for call, _ in BAD_CALLS.values())
-    guess = f'<tool_call>{{"name": "guess", "arguments": {{"number": {len(text) % 10}}}}}</tool_call>'
-    return hermes(script + python_call(text) + guess)
+    return hermes(script + python_call(text) + guess_call(text))
+
+
+def guess_call(text: str) -> str:
+    return f'<tool_call>{{"name": "guess", "arguments": {{"number": {len(text) % 10}}}}}</tool_call>'
+
+
+def python_and_game_parser(text: str):
+    """Every turn calls python and guesses (the resumed multi-turn run: a tool and an environment)."""
+    return hermes(python_call(text) + guess_call(text))
 
 
 def game_parser(text: str):
     """Every turn guesses the turn's length mod 10."""
-    return hermes(f'<tool_call>{{"name": "guess", "arguments": {{"number": {len(text) % 10}}}}}</tool_call>')
+    return hermes(guess_call(text))
