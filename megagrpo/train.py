@@ -21,7 +21,7 @@ import torch
 
 from megagrpo import evaluation
 from megagrpo.algorithm import grpo
-from megagrpo.checkpoints import checkpoint
+from megagrpo.checkpoints import checkpoint, export
 from megagrpo.cluster.distributed import all_gather_1d, init_distributed, launch_env
 from megagrpo.cluster.placement import Placement, engine_tp
 from megagrpo.cluster.topology import Topology
@@ -295,7 +295,7 @@ class Trainer:
     def export(self) -> None:
         """output_dir/hf: the model as an HF folder (a LoRA policy's merged; its adapters also
         as a PEFT folder, output_dir/adapter)."""
-        for what, folder in checkpoint.export(self.policy, self.tokenizer, self.cfg.output_dir,
+        for what, folder in export.export(self.policy, self.tokenizer, self.cfg.output_dir,
                                               self.topo.is_main).items():
             self.log(f"{what} written to {folder}")
 

@@ -6,8 +6,8 @@ Layout under <output_dir>/checkpoints:
 
 A save goes into `<tag>.tmp`, is fsynced, renamed to `<tag>`, and only then is `latest`
 replaced; a crash at any moment leaves the previous checkpoint loadable. A checkpoint without
-its COMPLETE marker is reported and skipped, never loaded half. At the end of a run the model is
-also exported as an HF folder (sharded safetensors + index, config, tokenizer).
+its COMPLETE marker is reported and skipped, never loaded half. The HF export at the end of a
+run: checkpoints/export.py.
 """
 from __future__ import annotations
 
@@ -24,11 +24,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megagrpo.checkpoints.safetensors_writer import write_safetensors
 from megagrpo.cluster.distributed import all_reduce
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import ConfigError
-from megagrpo.policy import lora
 
 MARKER = "COMPLETE"
 ADAPTER_CONFIG = "adapter_config.json"  # in a LoRA policy's checkpoint (no base weights)
@@ -386,30 +384,3 @@ def _check_resumable(path: str, this_run: TrainerState, topo: Topology) -> bool:
         raise ConfigError(f"checkpoint '{path}' is a LoRA checkpoint saved with dp={state['dp_size']}; re-sharding "
                           f"one to dp={topo.dp_size} is not supported: resume with the same number of ranks")
     return reshard
-
-
-def export(policy, tokenizer, output_dir: str, is_main: bool) -> dict[str, str]:
-    """Collective: output_dir/hf, the policy as an HF folder (a LoRA policy's merged), and for a
-    LoRA policy also output_dir/adapter, its adapters as a PEFT folder. Returns {what: folder}."""
-    written = {"HF model": os.path.join(output_dir, "hf")}
-    export_hf(policy.hf_module, policy.full_tensors(), tokenizer, written["HF model"], is_main)
-    if policy.adapter_config:
-        written["LoRA adapter"] = os.path.join(output_dir, "adapter")
-        lora.write_adapter_folder(policy.adapter_tensors(), policy.adapter_config, written["LoRA adapter"], is_main)
-    return written
-
-
-def export_hf(module, tensors, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 2048) -> None:
-    """Collective: write an HF folder that AutoModelForCausalLM and vLLM load unchanged: the
-    whole-tensor stream `tensors` (every rank iterates it) goes into safetensors shards on
-    the main rank, with `module`'s config and the tokenizer."""
-    write_safetensors(tensors, out_dir, shard_mb, write=is_main)
-    if is_main:
-        use_cache = module.config.use_cache
-        module.config.use_cache = True  # off only while training with gradient checkpointing
-        module.config.save_pretrained(out_dir)
-        module.config.use_cache = use_cache
-        if getattr(module, "generation_config", None) is not None:
-            module.generation_config.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
-    _barrier()
