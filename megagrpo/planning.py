@@ -36,6 +36,7 @@ from megagrpo.cluster.topology import Topology
 from megagrpo.config.deepspeed_json import read_deepspeed_config, zero_stage
 from megagrpo.config.schema import Config, ConfigError, max_sequence_length, require
 from megagrpo.policy.lora import count_trained_parameters
+from megagrpo.policy.sequence_parallel import check_sequence_parallel
 
 BYTES = {"float32": (4, 4, 12), "bfloat16": (2, 2, 12)}
 
@@ -302,7 +303,8 @@ PIPELINE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 def check_layout(cfg: Config) -> None:
     """Layouts DeepSpeed or the model cannot run are refused here, before anything is built."""
-    tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    p = cfg.parallel
+    tp, pp, sp = p.tensor_parallel_size, p.pipeline_parallel_size, p.sequence_parallel_size
     require(tp >= 1, f"parallel.tensor_parallel_size: {tp} must be >= 1")
     require(pp >= 1, f"parallel.pipeline_parallel_size: {pp} must be >= 1")
     if pp > 1:
@@ -314,15 +316,18 @@ def check_layout(cfg: Config) -> None:
     if cfg.rollout.placement == "disaggregated":
         world = check_disaggregated(cfg, world)  # the trainers' share of the launch
     if world is not None:
-        require(int(world) % (tp * pp) == 0,
-                f"world size {world} is not divisible by tensor_parallel_size x "
-                f"pipeline_parallel_size = {tp} x {pp}; launch a multiple of {tp * pp} ranks")
+        require(int(world) % (tp * pp * sp) == 0,
+                f"world size {world} is not divisible by tensor_parallel_size x pipeline_parallel_size x "
+                f"sequence_parallel_size = {tp} x {pp} x {sp}; launch a multiple of {tp * pp * sp} ranks")
     model_config = os.path.join(cfg.model.name_or_path, "config.json")
-    if (tp > 1 or pp > 1) and os.path.isfile(model_config):
+    model = {}
+    if (tp > 1 or pp > 1 or sp > 1) and os.path.isfile(model_config):
         with open(model_config) as f:
             model = json.load(f)
-        heads = model.get("num_attention_heads")
-        kv_heads = model.get("num_key_value_heads", heads)
+    heads = model.get("num_attention_heads")
+    kv_heads = model.get("num_key_value_heads", heads)
+    check_sequence_parallel(cfg, heads or sp, kv_heads or sp)
+    if model and (tp > 1 or pp > 1):
         for name, count in (("attention heads", heads), ("key-value heads", kv_heads)):
             require(count is None or count % tp == 0,
                     f"parallel.tensor_parallel_size={tp} does not divide the model's {count} "

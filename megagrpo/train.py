@@ -242,9 +242,8 @@ class Trainer:
         return groups
 
     def sync_generator_weights(self, steps_done: int) -> float:
-        """Stream the policy's weights (`steps_done` steps trained) into the generator of every
-        rank that receives them whole (all ranks, or a pipeline's first stage); returns seconds
-        taken. After the first sync, a LoRA policy sends only the weights it trains."""
+        """Stream the policy's weights (`steps_done` steps trained) into every generator that takes
+        them whole; returns seconds taken. After the first sync, LoRA sends only what it trains."""
         partial = self.generator_synced and not self.policy.trains_all_weights
         seconds = sync_weights(self.policy.full_tensors(changed_only=partial),
                                self.generator if self.policy.holds_full_tensors else None, partial, steps_done)
@@ -337,8 +336,9 @@ def main(argv=None) -> int:
     if not placement.trains:
         return run_rank(lambda: serve(cfg, placement), placement.rank, USER_ERRORS)
     placement.enter_trainer_world()
-    topology = init_distributed(args.timeout_minutes, cfg.parallel.tensor_parallel_size,
-                                cfg.parallel.pipeline_parallel_size, engine_tp(cfg))
+    p = cfg.parallel
+    topology = init_distributed(args.timeout_minutes, p.tensor_parallel_size, p.pipeline_parallel_size,
+                                engine_tp(cfg), p.sequence_parallel_size)
     startup.lap("distributed")
     MemoryWatch(topology.rank, planned_host_peak_gib(cfg, topology.world_size)).start()  # before an OOM kill
     run_rank(lambda: Trainer(cfg, topology, startup).train(), topology.rank, USER_ERRORS)

@@ -101,6 +101,68 @@ def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp,
         torch.testing.assert_close(d[name], b[name], atol=1e-5, rtol=0, msg=name)
 
 
+@pytest.mark.multirank
+def test_ulysses_rows_equal_one_rank_for_every_loss_type(tiny):
+    """The tiny model with each packed row split over 2 ranks (Ulysses attention over gloo's
+    all-to-all) against the same model on one rank, the same batch: uneven sequences, the
+    first longer than either rank's share. Log-probs and entropies (fused head and full
+    logits), every loss type's loss and summed gradients, and with gradient checkpointing. A
+    control: the split row attended locally (no all-to-all) is far off."""
+    proc = run([*torchrun(2, "tests/helpers/sequence_parallel_probe.py"), tiny["warm"]], timeout=300)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["longest"] > out["share"] and sum(out["counts"]) > 0 and min(out["counts"]) > 0, out
+    for fused in (True, False):
+        assert out[f"logp_difference_fused_{fused}"] < 1e-5 and out[f"entropy_difference_fused_{fused}"] < 1e-5, out
+    assert out["without_ulysses_difference"] > 0.1, out
+    assert sorted(out["objectives"]) == ["bnpo", "cispo", "dapo+entropy", "dr_grpo", "grpo", "gspo", "sapo"]
+    for name, o in out["objectives"].items():
+        assert o["grad_norm"] > 1e-3, (name, o)
+        assert o["loss_difference"] < 1e-5 and o["grad_difference"] < 1e-5 * max(1.0, o["grad_norm"]), (name, o)
+        assert o["sp_grad_norm"] == pytest.approx(o["grad_norm"], rel=1e-4), (name, o)
+    assert out["checkpointing_grad_difference"] < 1e-5, out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks,sp,checkpointing", [(2, 2, False), (4, 2, True)])
+def test_sequence_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, sp, checkpointing):
+    """Ulysses sequence parallelism under ZeRO-3 with vLLM co-located: sp 2 on 2 ranks and
+    dp 2 x sp 2 on 4 ranks (with gradient checkpointing), each against one rank on the same
+    global batch: step-1 loss, grad norms, the parameters after 2 steps. Micro-batches of at
+    most 40 tokens put about one sequence in a row, so sequences span both ranks of a group.
+    The 2-rank run's step-1 checkpoint then resumes on one rank (sp 1)."""
+    dp = ranks // sp
+    reference, parallel = single_rank(16 * dp), tmp_path / f"dp{dp}_sp{sp}"
+    proc = run([*torchrun(ranks, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
+                *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
+                f"parallel.sequence_parallel_size={sp}", "deepspeed=configs/ds_zero3.json",
+                "grpo.max_tokens_per_microbatch=40", f"model.gradient_checkpointing={str(checkpointing).lower()}",
+                "checkpoint.save_steps=1"], timeout=800)
+    assert f"world {ranks} = dp {dp} x sp {sp} x tp 1" in proc.stdout
+    expected, got = _losses(reference), _losses(parallel)
+    assert len(got) == 2 and abs(got[0] - expected[0]) < 1e-5, (expected, got)
+    norms = [v for _, v in _scalars(parallel, "train/grad_norm")]
+    assert norms == pytest.approx([v for _, v in _scalars(reference, "train/grad_norm")], rel=1e-4)
+    a = load_file(str(reference / "hf" / "model.safetensors"))
+    b = load_file(str(parallel / "hf" / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=0, msg=name)
+    seen = [json.loads(line)["prompts"] for line in open(parallel / "prompts_seen.jsonl")]
+    assert seen == [json.loads(line)["prompts"] for line in open(reference / "prompts_seen.jsonl")]
+    # the sp group's first rank sampled; its vLLM engine holds every step's weights
+    assert max(v for _, v in _scalars(parallel, "train/sampling/sampling_logp_difference/max")) < 1e-3
+    if ranks != 2:
+        return
+    one = tmp_path / "one_rank"
+    resumed = run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+                   *tiny_overrides(tiny, one), *COMMON, "grpo.per_device_train_batch_size=16",
+                   f"checkpoint.resume={parallel / 'checkpoints' / 'step_00000001'}"])
+    assert "(re-sharded from dp 1 x sp 2 x tp 1 to dp 1 x tp 1)" in resumed.stdout
+    assert _scalars(one, "train/loss")[0][0] == 2 and abs(_losses(one)[0] - got[1]) < 1e-5, (_losses(one), got)
+    d = load_file(str(one / "hf" / "model.safetensors"))
+    for name in b:
+        torch.testing.assert_close(d[name], b[name], atol=1e-5, rtol=0, msg=name)
+
+
 def test_hf_to_pipeline_refusals(tiny, tmp_path, capsys):
     """Bad inputs of `convert hf-to-pipeline` end with exit 2 and a message naming the problem;
     nothing is written (the writer would clear the model's own shards if pointed at them)."""
@@ -137,9 +199,20 @@ def test_refused_layouts(tiny, tmp_path, monkeypatch):
     assert load_config("configs/tiny_arith.yaml", pipeline).parallel.pipeline_parallel_size == 2
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"world size 3 is not divisible by tensor_parallel_size x "
-                                          r"pipeline_parallel_size = 2 x 1"):
+                                          r"pipeline_parallel_size x sequence_parallel_size = 2 x 1 x 1"):
         load_config("configs/tiny_arith.yaml", base + ["parallel.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"= 1 x 1 x 2; launch a multiple of 2 ranks"):
+        load_config("configs/tiny_arith.yaml", base + ["parallel.sequence_parallel_size=2"])
     monkeypatch.delenv("WORLD_SIZE")
+    # sequence parallelism: what it composes with in this version, and the model's heads
+    sequence = base + ["parallel.sequence_parallel_size=2"]
+    assert load_config("configs/tiny_arith.yaml", sequence).parallel.sequence_parallel_size == 2
+    for extra, message in [(["parallel.tensor_parallel_size=2"], r"sequence_parallel_size=2 with tensor_paral"),
+                           (pipeline[len(base):], r"composes with data parallelism and ZeRO 0-3 only"),
+                           (["grpo.packing=false"], r"sequence_parallel_size=2 needs grpo.packing=true"),
+                           (["parallel.sequence_parallel_size=4"], r"does not divide the model's 2 attention heads")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config("configs/tiny_arith.yaml", sequence + extra)
     other = tmp_path / "gpt2"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "num_attention_heads": 2,

@@ -235,19 +235,21 @@ def to_universal(path: str, is_main: bool) -> str:
     return out
 
 
-def needs_reshard(state: dict, dp: int, tp: int, pp: int, prompts_per_step: int, zero: int) -> bool:
+def needs_reshard(state: dict, dp: int, tp: int, pp: int, prompts_per_step: int, zero: int, sp: int = 1) -> bool:
     """Whether a checkpoint with trainer state `state` must be re-sharded to continue on this
     layout; ValueError says why it cannot. Re-sharding goes through DeepSpeed's universal
     checkpoint: dp may change (same global batch), and a tensor-parallel (AutoTP) checkpoint
-    may go to tp=1; both sides ZeRO 1-3, no pipeline."""
+    may go to tp=1; both sides ZeRO 1-3, no pipeline. ZeRO partitions over dp x sp ranks, so
+    a change of sp alone that keeps dp x sp needs none."""
     saved = state.get("layout", {})
     was_dp, was_tp, was_pp = state.get("dp_size", dp), saved.get("tp", tp), saved.get("pp", pp)
+    was_sp = saved.get("sp", 1)
     if was_pp != pp:
         raise ValueError(f"was saved with pp={was_pp}, this run has pp={pp}; re-sharding across pipeline "
                          "layouts is not supported: resume with the same pipeline_parallel_size")
-    if (was_dp, was_tp) == (dp, tp):
+    if (was_dp, was_tp, was_sp) == (dp, tp, sp):
         return False
-    change = f"dp={was_dp} x tp={was_tp} to dp={dp} x tp={tp}"
+    change = f"dp={was_dp} x sp={was_sp} x tp={was_tp} to dp={dp} x sp={sp} x tp={tp}"
     if pp > 1:
         raise ValueError(f"is a pipeline checkpoint; re-sharding it ({change}) is not supported "
                          "(DeepSpeed's universal checkpoint does not load pipeline layer files)")
@@ -259,6 +261,8 @@ def needs_reshard(state: dict, dp: int, tp: int, pp: int, prompts_per_step: int,
         raise ValueError(f"was saved with dp={was_dp} and {state.get('prompts_per_step', 'an unrecorded number of')} "
                          f"prompts per step; this run has dp={dp} and {prompts_per_step}. To change dp keep "
                          "the global batch: per_device_train_batch_size x dp the same")
+    if (was_dp * was_sp, was_tp) == (dp * sp, tp):
+        return False  # the same ZeRO partitions; only the sequences are split otherwise
     if saved.get("zero_stage", 0) == 0 or zero == 0:
         raise ValueError(f"is a ZeRO-0 checkpoint (or this run uses ZeRO-0); re-sharding it ({change}) goes "
                          "through DeepSpeed's universal checkpoint, which needs ZeRO 1-3 on both sides")
@@ -315,8 +319,9 @@ def resume(policy, root: str, setting: str, this_run: TrainerState, topo: Topolo
         if not all_reduce(torch.tensor([0 if error is None else 1]), "max")[0]:
             note = ""
             if reshard:
-                note = (f" (re-sharded from dp {state['dp_size']} x tp {state['layout'].get('tp', 1)} "
-                        f"to dp {topo.dp_size} x tp {topo.tp_size})")
+                was, sp = state["layout"], (lambda n: f" x sp {n}" if n > 1 else "")
+                note = (f" (re-sharded from dp {state['dp_size']}{sp(was.get('sp', 1))} x tp {was.get('tp', 1)} "
+                        f"to dp {topo.dp_size}{sp(topo.sp_size)} x tp {topo.tp_size})")
             log(f"resumed from {path} at step {state['step']}{note}")
             return {**state, "path": path, "resharded": reshard}
         if setting != "auto":
@@ -377,7 +382,7 @@ def _check_resumable(path: str, this_run: TrainerState, topo: Topology) -> bool:
         raise ConfigError(f"checkpoint '{path}' was saved with model.lora={saved_lora or 'off'}, this run has "
                           f"model.lora={adapters or 'off'}; resume with the same adapter settings")
     try:
-        reshard = needs_reshard(state, topo.dp_size, topo.tp_size, topo.pp_size, prompts_per_step, zero)
+        reshard = needs_reshard(state, topo.dp_size, topo.tp_size, topo.pp_size, prompts_per_step, zero, topo.sp_size)
     except ValueError as e:
         raise ConfigError(f"checkpoint '{path}' {e}") from None
     if reshard and adapters:

@@ -39,7 +39,7 @@ def free_port() -> int:
 
 
 def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: int = 1,
-                     generator_tp: int = 1) -> Topology:
+                     generator_tp: int = 1, sp_size: int = 1) -> Topology:
     """Create the job's process group (one plain process gets a world of one; with generating
     ranks apart, the trainers' world: cluster/placement.py)."""
     import deepspeed
@@ -51,7 +51,7 @@ def init_distributed(timeout_minutes: float = 30.0, tp_size: int = 1, pp_size: i
         deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes),
                                    distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     release_shm_allreduce_name()
-    topology = Topology.from_env(tp_size, pp_size, generator_tp).with_groups()
+    topology = Topology.from_env(tp_size, pp_size, generator_tp, sp_size).with_groups()
     if torch.cuda.is_available():
         torch.cuda.set_device(topology.local_rank)
     return topology

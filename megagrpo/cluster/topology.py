@@ -1,15 +1,17 @@
-"""The process topology: world = dp x tp x pp, its rank arithmetic and its process groups.
+"""The process topology: world = dp x sp x tp x pp, its rank arithmetic and its process groups.
 Everything else asks this object; nobody recomputes ranks or fetches groups elsewhere.
 
 Ranks are laid out as DeepSpeed lays them out: its (pipe, data, model) topology, pipeline stage
-slowest and tp fastest, so
+slowest and tp fastest, with the sequence-parallel ranks between data and tensor, so
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (dp * sp * tp) + dp_rank * (sp * tp) + sp_rank * tp + tp_rank
 
-(AutoTP's (dp, tp) mesh is the pp = 1 case; DeepSpeed's (pipe, data) topology the tp = 1 case).
-The tp * pp ranks of one data-parallel replica (a "model group") see the same prompts and share
-one rollout; different dp ranks see different prompts. Inside a stage, the tp ranks (the
-"tp group") split its decoder layers.
+(AutoTP's (dp, tp) mesh is the pp = 1 case; DeepSpeed's (pipe, data) topology the tp = 1 case;
+Ulysses' consecutive sp groups, `parallel_state_sp`, the tp = pp = 1 case, the only one with
+sp > 1 in this version). The sp * tp * pp ranks of one data-parallel replica (a "model group")
+see the same prompts and share one rollout; different dp ranks see different prompts. Inside a
+stage, the tp ranks (the "tp group") split its decoder layers; the sp ranks (the "sp group")
+split each sequence (policy/sequence_parallel.py).
 
 The generator is laid out on its own: each block of `generator_tp` consecutive ranks (a
 "generator group", vLLM's tp group under the external launcher) holds one engine sharded
@@ -35,31 +37,34 @@ class Topology:
     local_rank: int
     tp_size: int = 1
     pp_size: int = 1
+    sp_size: int = 1
     dp_group: Optional[Any] = field(default=None, compare=False, repr=False)
     """Ranks that hold the same model shard and see different prompts (None: the whole world)."""
     model_group: Optional[Any] = field(default=None, compare=False, repr=False)
-    """The tp * pp ranks of this rank's replica (None: this rank alone)."""
+    """The sp * tp * pp ranks of this rank's replica (None: this rank alone)."""
     tp_group: Optional[Any] = field(default=None, compare=False, repr=False)
     """The tp ranks of this rank's pipeline stage (None: tp 1)."""
     generator_tp: int = 1
     generator_group: Optional[Any] = field(default=None, compare=False, repr=False)
     """The generator_tp ranks that hold one vLLM engine with this rank (None: generator_tp 1)."""
+    sp_group: Optional[Any] = field(default=None, compare=False, repr=False)
+    """The sp ranks that split this rank's sequences (None: sp 1)."""
 
     @classmethod
-    def from_env(cls, tp_size: int = 1, pp_size: int = 1, generator_tp: int = 1) -> "Topology":
+    def from_env(cls, tp_size: int = 1, pp_size: int = 1, generator_tp: int = 1, sp_size: int = 1) -> "Topology":
         """Read the launcher's variables (deepspeed, torchrun, srun mapped by our scripts)."""
         if dist.is_available() and dist.is_initialized():
             world, rank = dist.get_world_size(), dist.get_rank()
         else:
             world = int(os.environ.get("WORLD_SIZE", "1"))
             rank = int(os.environ.get("RANK", "0"))
-        if world % (tp_size * pp_size):
+        if world % (tp_size * pp_size * sp_size):
             raise ValueError(f"world size {world} is not divisible by tensor_parallel_size x "
-                             f"pipeline_parallel_size = {tp_size} x {pp_size}")
+                             f"pipeline_parallel_size x sequence_parallel_size = {tp_size} x {pp_size} x {sp_size}")
         if world % generator_tp:
             raise ValueError(f"world size {world} is not divisible by rollout.tensor_parallel_size {generator_tp}")
         return cls(world_size=world, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                   tp_size=tp_size, pp_size=pp_size, generator_tp=generator_tp)
+                   tp_size=tp_size, pp_size=pp_size, sp_size=sp_size, generator_tp=generator_tp)
 
     def with_groups(self) -> "Topology":
         """Collective: create the dp and model process groups (every rank creates every group,
@@ -78,13 +83,26 @@ class Topology:
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     model_group = group
-        if self.tp_size > 1 and self.pp_size == 1:
+        if self.tp_size > 1 and self.pp_size == 1 and self.sp_size == 1:
             tp_group = model_group
         elif self.tp_size > 1:
             tp_group = self._block_group(self.tp_size)
         generator_group = self._block_group(self.generator_tp) if self.generator_tp > 1 else None
+        sp_group = None
+        if self.sp_size > 1:  # DeepSpeed's own groups (its mpu for deepspeed.initialize): blocks of sp ranks
+            from deepspeed.runtime.sequence_parallel import parallel_state_sp
+            parallel_state_sp.initialize_sequence_parallel(self.sp_size)
+            sp_group = parallel_state_sp.get_sequence_parallel_group()
         return dataclasses.replace(self, dp_group=dp_group, model_group=model_group, tp_group=tp_group,
-                                   generator_group=generator_group)
+                                   generator_group=generator_group, sp_group=sp_group)
+
+    @property
+    def deepspeed_mpu(self):
+        """What deepspeed.initialize takes as `mpu`: Ulysses' group registry under sp, else None."""
+        if self.sp_size == 1:
+            return None
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+        return parallel_state_sp
 
     def _block_group(self, size: int):
         """Collective: a group for each block of `size` consecutive ranks; returns this rank's."""
@@ -97,24 +115,30 @@ class Topology:
 
     def at(self, rank: int) -> "Topology":
         """The same layout seen from another rank (for tables of every rank's place)."""
-        return Topology(self.world_size, rank, 0, self.tp_size, self.pp_size, generator_tp=self.generator_tp)
+        return Topology(self.world_size, rank, 0, self.tp_size, self.pp_size, self.sp_size,
+                        generator_tp=self.generator_tp)
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // (self.tp_size * self.pp_size)
+        return self.world_size // (self.tp_size * self.pp_size * self.sp_size)
 
     @property
     def model_size(self) -> int:
-        """Ranks in one model group (one data-parallel replica): tp x pp."""
-        return self.tp_size * self.pp_size
+        """Ranks in one model group (one data-parallel replica): sp x tp x pp."""
+        return self.sp_size * self.tp_size * self.pp_size
 
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        """The global rank at a (stage, dp rank, tp rank) place."""
-        return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int, sp_rank: int = 0) -> int:
+        """The global rank at a (stage, dp rank, tp rank, sp rank) place."""
+        return ((pp_rank * self.dp_size + dp_rank) * self.sp_size + sp_rank) * self.tp_size + tp_rank
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp_size % self.dp_size
+        return self.rank // (self.tp_size * self.sp_size) % self.dp_size
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's place in its sp group: which slice of each sequence it holds."""
+        return self.rank // self.tp_size % self.sp_size
 
     @property
     def tp_rank(self) -> int:
@@ -123,13 +147,14 @@ class Topology:
     @property
     def pp_rank(self) -> int:
         """Pipeline stage of this rank."""
-        return self.rank // (self.dp_size * self.tp_size)
+        return self.rank // (self.dp_size * self.sp_size * self.tp_size)
 
     def model_ranks(self, dp_rank: Optional[int] = None) -> list[int]:
-        """Global ranks of a model group, stage by stage and tp rank by tp rank within a stage;
-        by default this rank's."""
+        """Global ranks of a model group, stage by stage, then sp rank by sp rank and tp rank by
+        tp rank within a stage; by default this rank's."""
         d = self.dp_rank if dp_rank is None else dp_rank
-        return [self.rank_of(s, d, t) for s in range(self.pp_size) for t in range(self.tp_size)]
+        return sorted(self.rank_of(s, d, t, q) for s in range(self.pp_size) for q in range(self.sp_size)
+                      for t in range(self.tp_size))
 
     def stage_ranks(self, pp_rank: int) -> list[int]:
         """The tp ranks of one pipeline stage of this rank's model group."""
@@ -138,7 +163,7 @@ class Topology:
     def dp_ranks(self, rank: Optional[int] = None) -> list[int]:
         """Global ranks that hold the same shard as `rank` (by default this rank), in dp order."""
         place = self if rank is None else self.at(rank)
-        return [self.rank_of(place.pp_rank, d, place.tp_rank) for d in range(self.dp_size)]
+        return [self.rank_of(place.pp_rank, d, place.tp_rank, place.sp_rank) for d in range(self.dp_size)]
 
     @property
     def model_group_source(self) -> int:
@@ -156,13 +181,14 @@ class Topology:
     def generates(self) -> bool:
         """Whether this rank's engine shard takes part in its model group's rollout (its
         generator group includes the model group's first rank)."""
-        return self.pp_rank == 0 and self.tp_rank < self.generator_tp
+        return self.pp_rank == 0 and self.sp_rank == 0 and self.tp_rank < self.generator_tp
 
     @property
     def shares_rollout(self) -> bool:
         """Whether some ranks of this model group do not generate and receive the rollout
         from the group's first rank."""
-        return self.model_size > 1 and not (self.pp_size == 1 and self.generator_tp >= self.tp_size)
+        return self.model_size > 1 and not (self.pp_size == 1 and self.sp_size == 1
+                                            and self.generator_tp >= self.tp_size)
 
     def generator_ranks(self) -> list[int]:
         """Global ranks of this rank's generator group (consecutive, as vLLM forms them)."""
@@ -174,6 +200,8 @@ class Topology:
         return self.rank == 0
 
     def describe(self) -> str:
-        return (f"world {self.world_size} = dp {self.dp_size} x tp {self.tp_size} x "
-                f"pp {self.pp_size}, vLLM tp {self.generator_tp}; this is rank {self.rank} (dp rank {self.dp_rank}, "
-                f"tp rank {self.tp_rank}, pipeline stage {self.pp_rank})")
+        sp = f" x sp {self.sp_size}" if self.sp_size > 1 else ""
+        sp_rank = f", sp rank {self.sp_rank}" if self.sp_size > 1 else ""
+        return (f"world {self.world_size} = dp {self.dp_size}{sp} x tp {self.tp_size} x "
+                f"pp {self.pp_size}, vLLM tp {self.generator_tp}; this is rank {self.rank} (dp rank {self.dp_rank}"
+                f"{sp_rank}, tp rank {self.tp_rank}, pipeline stage {self.pp_rank})")

@@ -1,8 +1,6 @@
 """The configuration schema: one dataclass per section, a docstring per field (the source of
-docs/configuration.md), and the TRL-style names accepted at the top level.
-
-Loading and overrides live in loading.py, checks in validation.py.
-"""
+docs/configuration.md), the TRL-style names accepted at the top level. Loading and overrides
+live in loading.py, checks in validation.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -90,6 +88,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Pipeline stages (DeepSpeed PipelineModule from the HF layers, Llama/Qwen2/Mistral); ZeRO
     stage 0 or 1, grpo.packing on, not with tensor_parallel_size > 1 in this version."""
+    sequence_parallel_size: int = 1
+    """Ranks that split each packed row along the sequence (DeepSpeed Ulysses), for trajectories
+    too long for one rank; any ZeRO stage, grpo.packing on, no tensor or pipeline parallelism."""
 
 
 @dataclass
@@ -363,9 +364,8 @@ class LoggingConfig:
     eval_num_generations: int = 1
     """Completions per held-out prompt: 1 is greedy; n > 1 samples n for pass@k (k <= n)."""
     progress_bar: bool = True
-    """Progress on rank 0: a bar with step, reward and step time on a terminal; where stdout is
-    not a terminal (SLURM, nohup), one line every logging_steps (step, reward, KL, step time,
-    tokens/s, time left)."""
+    """Progress on rank 0: a bar on a terminal; elsewhere (SLURM, nohup) one line every
+    logging_steps (step, reward, KL, step time, tokens/s, time left)."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from megagrpo.policy.fused_logprobs import fused_token_logprobs, logprobs_from_logits
 from megagrpo.policy.packing import pack
+from megagrpo.policy.sequence_parallel import SequenceParallel, gather_slices, slice_row
 
 
 class LogprobHead(torch.nn.Module):
@@ -82,18 +83,26 @@ def _one_row(model) -> bool:
     return str(getattr(config, "_attn_implementation", "")).startswith("flash")
 
 
-def completion_logprobs(model, batch, temperature: float, packing: bool = True,
-                        fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logprobs(model, batch, temperature: float, packing: bool = True, fused: bool = True,
+                        sp: Optional[SequenceParallel] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(token | prefix) and entropy for every completion token of a RolloutBatch, as
-    (B, C) tensors laid out like batch.completion_ids (zeros on padding)."""
+    (B, C) tensors laid out like batch.completion_ids (zeros on padding). sp: the micro-batch
+    is one packed row split over the sp group (policy/sequence_parallel.py); every rank of it
+    gets the whole result."""
     device = batch.completion_ids.device
     if packing:
         prompts, completions = batch.sequences()
-        row_tokens = None if _one_row(model) else max(batch.token_counts())
+        row_tokens = None if _one_row(model) or sp is not None else max(batch.token_counts())
         packed = pack(prompts, completions, row_tokens)
-        logp, entropy = _forward(model, packed.input_ids.to(device), packed.position_ids.to(device),
-                                 None, packed.predict_at.to(device), packed.targets.to(device),
-                                 temperature, fused)
+        if sp is None:
+            logp, entropy = _forward(model, packed.input_ids.to(device), packed.position_ids.to(device),
+                                     None, packed.predict_at.to(device), packed.targets.to(device),
+                                     temperature, fused)
+        else:
+            row = slice_row(packed, sp)
+            mine = _forward(model, row.input_ids.to(device), row.position_ids.to(device), None,
+                            row.predict_at.to(device), row.targets.to(device), temperature, fused)
+            logp, entropy = gather_slices(torch.stack(mine, dim=-1), row, sp).unbind(dim=-1)
         index = (packed.rows.to(device), packed.cols.to(device))
     else:
         B, C = batch.completion_ids.shape

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import deepspeed
 import torch
@@ -21,6 +22,7 @@ from megagrpo.config.deepspeed_json import read_deepspeed_config
 from megagrpo.config.schema import Config
 from megagrpo.dtypes import DTYPES
 from megagrpo.policy.logprobs import install_logprob_head
+from megagrpo.policy.sequence_parallel import SequenceParallel, use_ulysses_attention
 
 
 def load_tokenizer(path: str):
@@ -114,15 +116,17 @@ def attention_implementation() -> str:
     return "sdpa"
 
 
-def load_model(cfg: Config, deepspeed_settings: DeepSpeedSettings):
+def load_model(cfg: Config, deepspeed_settings: DeepSpeedSettings, sp: Optional[SequenceParallel] = None):
     """The HF model from its folder, with the log-prob head installed (partitioned as it loads
-    where the settings say so)."""
+    where the settings say so); sp: its attention made Ulysses over the sp group."""
     ds_config = deepspeed_settings.config
     dschf = HfDeepSpeedConfig(ds_config) if deepspeed_settings.partitions_while_loading else None  # noqa: F841
     model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path,
                                                  dtype=DTYPES[cfg.model.dtype],
                                                  attn_implementation=attention_implementation())
     install_logprob_head(model, cfg.grpo.logprob_chunk_size)
+    if sp is not None:
+        use_ulysses_attention(model, sp)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     if deepspeed_settings.tensor_parallel and not tied:
         # AutoTP follows the HF tp_plan, whose "lm_head": "colwise_gather_output" would replace
@@ -135,9 +139,10 @@ def load_model(cfg: Config, deepspeed_settings: DeepSpeedSettings):
     return model
 
 
-def initialize(model: torch.nn.Module, cfg: Config, deepspeed_settings: DeepSpeedSettings, total_steps: int):
+def initialize(model: torch.nn.Module, cfg: Config, deepspeed_settings: DeepSpeedSettings, total_steps: int,
+               mpu=None):
     """deepspeed.initialize for training: AdamW (DeepSpeed's when the JSON names an optimizer),
-    linear warmup and the configured schedule."""
+    linear warmup and the configured schedule; mpu: the sp groups (Topology.deepspeed_mpu)."""
     ds_config = deepspeed_settings.config
     if torch.distributed.get_rank() == 0:
         say_if_cpu_adam_builds(ds_config, lambda message: print(f"[megagrpo] {message}", flush=True))
@@ -148,6 +153,6 @@ def initialize(model: torch.nn.Module, cfg: Config, deepspeed_settings: DeepSpee
                                       betas=(cfg.grpo.adam_beta1, cfg.grpo.adam_beta2),
                                       weight_decay=cfg.grpo.weight_decay)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=trained, optimizer=optimizer, config=ds_config,
+        model=model, model_parameters=trained, optimizer=optimizer, config=ds_config, mpu=mpu,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps)))
     return engine

@@ -21,19 +21,21 @@ from megagrpo.policy.base import Policy
 from megagrpo.policy.batch import RolloutBatch
 from megagrpo.policy.logprobs import completion_logprobs
 from megagrpo.policy.models import initialize, load_model
+from megagrpo.policy.sequence_parallel import SequenceParallel
 from megagrpo.policy.weight_gather import named_full_tensors
 
 
 class ZeroPolicy(Policy):
     def __init__(self, cfg: Config, topology: Topology, total_steps: int):
         super().__init__(cfg, topology)
-        model = load_model(cfg, self.deepspeed)
+        self.sp = SequenceParallel.of(topology)  # sequences split over an sp group, or None
+        model = load_model(cfg, self.deepspeed, self.sp)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
         if self.is_lora:
             model = lora.add_adapters(model, cfg.model.lora, self.g.seed)
-        self.engine = initialize(model, cfg, self.deepspeed, total_steps)
+        self.engine = initialize(model, cfg, self.deepspeed, total_steps, topology.deepspeed_mpu)
         self.reference = self._build_reference() if self.g.kl_coef > 0 and not self.is_lora else None
 
     def _build_reference(self):
@@ -41,20 +43,20 @@ class ZeroPolicy(Policy):
         offloaded to CPU) when the policy uses ZeRO-3; else a plain eval module."""
         if self.deepspeed.zero_stage != 3:
             from deepspeed.accelerator import get_accelerator
-            model = load_model(self.cfg, self.deepspeed).eval().requires_grad_(False)
+            model = load_model(self.cfg, self.deepspeed, self.sp).eval().requires_grad_(False)
             return model.to(get_accelerator().current_device_name())
         settings = self.deepspeed.for_frozen_model(zero3=True, offload=self.cfg.model.ref_offload)
-        model = load_model(self.cfg, settings).eval()
+        model = load_model(self.cfg, settings, self.sp).eval()
         # frozen after initialize: AutoTP registers gradient hooks on replicated parameters that
         # see split activations (Qwen3's q/k norms), and a frozen tensor refuses a hook
-        engine, _, _, _ = deepspeed.initialize(model=model, config=settings.config)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=settings.config, mpu=self.topo.deepspeed_mpu)
         engine.module.requires_grad_(False)
         engine.eval()
         return engine
 
     def _forward(self, model, mb: RolloutBatch):
         return completion_logprobs(model, mb, self.cfg.rollout.temperature, self.g.packing,
-                                   self.g.fused_logprobs)
+                                   self.g.fused_logprobs, self.sp)
 
     def logprobs(self, batch, micro_batches, reference=False) -> Optional[torch.Tensor]:
         if reference and self.is_lora:  # the base model: the policy with its adapters off
