@@ -133,6 +133,21 @@ def _packed_causal_sdpa(module, query, key, value, attention_mask, position_ids=
     return torch.cat(pieces, dim=1), None
 
 
+def sum_gradients_over_sp(ds_config: dict, model: torch.nn.Module) -> None:
+    """Make every ZeRO stage sum the gradients over the sp group (each rank's backward holds
+    its slice's share of the whole loss) and average them over dp. DeepSpeed 0.19.8 does so in
+    ZeRO 0-2 and in ZeRO-3's contiguous all-reduce, but ZeRO-3's reduce-scatter (its default)
+    averages over sp too, halving the gradient at sp 2 (docs/upstream-issues.md). So ZeRO-3
+    takes the contiguous path: reduce_scatter off, and buckets that hold the largest trained
+    parameter (a larger one would go the reduce-scatter way)."""
+    zero = ds_config.setdefault("zero_optimization", {})
+    if int(zero.get("stage", 0)) != 3:
+        return
+    largest = max(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    zero.update(reduce_scatter=False, contiguous_gradients=True,
+                reduce_bucket_size=max(int(float(zero.get("reduce_bucket_size", 5e8))), largest))
+
+
 def use_ulysses_attention(model, sp: SequenceParallel) -> None:
     """Make this HF model's attention Ulysses over the sp group (before deepspeed.initialize)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF

@@ -21,7 +21,7 @@ from megagrpo.policy.base import Policy
 from megagrpo.policy.batch import RolloutBatch
 from megagrpo.policy.logprobs import completion_logprobs
 from megagrpo.policy.models import initialize, load_model
-from megagrpo.policy.sequence_parallel import SequenceParallel
+from megagrpo.policy.sequence_parallel import SequenceParallel, sum_gradients_over_sp
 from megagrpo.policy.weight_gather import named_full_tensors
 
 
@@ -35,6 +35,8 @@ class ZeroPolicy(Policy):
             model.config.use_cache = False
         if self.is_lora:
             model = lora.add_adapters(model, cfg.model.lora, self.g.seed)
+        if self.sp is not None:
+            sum_gradients_over_sp(self.deepspeed.config, model)
         self.engine = initialize(model, cfg, self.deepspeed, total_steps, topology.deepspeed_mpu)
         self.reference = self._build_reference() if self.g.kl_coef > 0 and not self.is_lora else None
 
