@@ -52,7 +52,7 @@ def plan_command(argv) -> int:
     import os
 
     from megagrpo.config.schema import ConfigError
-    from megagrpo.planning import format_plan, make_plan, memory_verdict, node_memory_bytes
+    from megagrpo.planning import format_plan, longest_row, make_plan, memory_verdict, node_memory_bytes
     from megagrpo.validation import load_config
 
     p = argparse.ArgumentParser(prog="megagrpo plan",
@@ -96,12 +96,16 @@ def plan_command(argv) -> int:
     node_bytes, what = node_memory_bytes()
     if args.node_memory_gib:
         node_bytes = int(args.node_memory_gib * 2**30)
-    verdict = memory_verdict(plan, cfg, min(ranks_per_node or args.world_size, args.world_size), node_bytes, what)
+    ranks_per_node = min(ranks_per_node or args.world_size, args.world_size)
+    verdict = memory_verdict(plan, cfg, ranks_per_node, node_bytes, what)
     if verdict and args.check_memory:
         print(f"megagrpo: the planned peak memory per rank {verdict}. (MEMORY_CHECK=0 skips this check in "
               "launch/*.sh; how the peak is counted: docs/parallelism.md, \"Memory per rank\".)", file=sys.stderr)
         return 3
     print(f"memory: {verdict or 'fits'}")
+    split = f", each rank holding 1/{plan.sp} of it (sequence parallelism)" if plan.sp > 1 else ""
+    print(f"longest sequence that trains in this memory: {longest_row(cfg, plan, ranks_per_node, node_bytes, what)} "
+          f"tokens, alone in its micro-batch{split}")
     return 0
 
 

@@ -24,19 +24,15 @@ reference model (the base with its adapters disabled is the reference).
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from megagrpo.cluster.placement import check_disaggregated, check_generator_layout
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.deepspeed_json import read_deepspeed_config, zero_stage
-from megagrpo.config.schema import Config, ConfigError, max_sequence_length, require
+from megagrpo.config.schema import Config, ConfigError, max_sequence_length
 from megagrpo.policy.lora import count_trained_parameters
-from megagrpo.policy.sequence_parallel import check_sequence_parallel
 
 BYTES = {"float32": (4, 4, 12), "bfloat16": (2, 2, 12)}
 
@@ -60,6 +56,12 @@ class Plan:
     max_staleness: int = 0
     generating_ranks: int = 0    # rollout.placement=disaggregated: the launch's last ranks (world_size counts them)
     generating_peak: int = 0     # bytes one generating rank holds (its server's share)
+    sp: int = 1                  # parallel.sequence_parallel_size: ranks that split each row
+
+    @property
+    def zero_partitions(self) -> int:
+        """Ranks a ZeRO stage partitions the state over: DeepSpeed's sequence-data-parallel group."""
+        return self.dp * self.sp
 
 
 def model_config(model_path: str):
@@ -104,10 +106,11 @@ def planned_host_peak_gib(cfg: Config, world_size: int) -> Optional[float]:
 def make_plan(cfg: Config, world_size: int) -> Plan:
     """world_size: the launch's (with placement disaggregated, its generating ranks included)."""
     tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
-    r = cfg.rollout
+    sp, r = cfg.parallel.sequence_parallel_size, cfg.rollout
     generating = r.ranks if r.placement == "disaggregated" else 0
     trainers = world_size - generating
-    dp = trainers // (tp * pp)
+    dp = trainers // (tp * pp * sp)
+    parts = dp * sp  # ZeRO partitions
     stage = zero_stage(cfg.deepspeed)
     total, sharded = count_parameters(cfg.model.name_or_path)
     local = sharded // tp + (total - sharded)  # one rank's share before ZeRO
@@ -119,19 +122,19 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     held = local + trained if lora else local  # a LoRA policy: the frozen base and its adapters
     weight_b, grad_b, optim_b = BYTES[cfg.model.dtype]
     bytes_per_rank = {
-        "params": held * weight_b // (dp if stage >= 3 else 1),
-        "grads": trained * grad_b // (dp if stage >= 2 else 1),
-        "optimizer": trained * optim_b // (dp if stage >= 1 else 1),
-        "reference": (local * weight_b // (dp if stage >= 3 else 1)) if cfg.grpo.kl_coef > 0 and not lora else 0,
+        "params": held * weight_b // (parts if stage >= 3 else 1),
+        "grads": trained * grad_b // (parts if stage >= 2 else 1),
+        "optimizer": trained * optim_b // (parts if stage >= 1 else 1),
+        "reference": (local * weight_b // (parts if stage >= 3 else 1)) if cfg.grpo.kl_coef > 0 and not lora else 0,
         # vLLM's share: its tp group splits every layer, the embedding and the head by vocabulary
         "rollout_weights": 0 if r.servers or generating else -(-total * weight_b // r.tensor_parallel_size),
     }
-    layout = Topology(trainers, 0, 0, tp, pp)
-    ranks = [(rank, place.dp_rank, place.tp_rank, place.pp_rank) for rank in range(trainers)
+    layout = Topology(trainers, 0, 0, tp, pp, sp)
+    ranks = [(rank, place.dp_rank, place.tp_rank, place.pp_rank, place.sp_rank) for rank in range(trainers)
              for place in [layout.at(rank)]]
     plan = Plan(world_size, dp, tp, pp, stage, total, sharded, trained, bytes_per_rank, ranks, lora=lora,
                 generator_tp=r.tensor_parallel_size, servers=list(r.servers),
-                max_staleness=r.max_staleness, generating_ranks=generating)
+                max_staleness=r.max_staleness, generating_ranks=generating, sp=sp)
     plan.peak = peak_memory(cfg, plan, trained)
     if generating:  # a server's weights and KV cache, split over its ranks
         shard = -(-total * weight_b // r.tensor_parallel_size)
@@ -180,19 +183,26 @@ def activation_bytes_per_token(config, layers: int, dtype: str, checkpointing: b
     return layers * layer
 
 
-def peak_memory(cfg: Config, plan: Plan, trained_params: int) -> dict:
+def microbatch_tokens(cfg: Config) -> int:
+    """The most tokens one micro-batch (a packed row under sp) holds: fixed size x the longest
+    sequence, or the token budget (a longer sequence gets a micro-batch alone)."""
+    g, longest = cfg.grpo, max_sequence_length(cfg)  # prompt + completion (every turn and tool message)
+    tokens = g.per_device_train_batch_size * longest
+    if g.max_tokens_per_microbatch:
+        tokens = max(longest, min(g.max_tokens_per_microbatch, tokens * g.gradient_accumulation_steps))
+    return tokens
+
+
+def peak_memory(cfg: Config, plan: Plan, trained_params: int, tokens: Optional[int] = None) -> dict:
     """The bytes one rank holds at its peak (the sampling rank of a stage-0 shard: the largest),
     by what holds them. The training step's transient is its largest micro-batch's activations
-    and the fused log-prob head's working set; vLLM on CPU does not sleep, so everything is held
-    together there."""
+    (tokens, by default microbatch_tokens; each sp rank holds 1/sp of them) and the fused
+    log-prob head's working set; vLLM on CPU does not sleep, so everything is held together there."""
     config = model_config(cfg.model.name_or_path)
     device = _device()
     g, r = cfg.grpo, cfg.rollout
     weight_b = 4 if cfg.model.dtype == "float32" else 2
-    longest = max_sequence_length(cfg)  # prompt + completion (every turn and tool message)
-    tokens = g.per_device_train_batch_size * longest  # a micro-batch: fixed size, or a token budget
-    if g.max_tokens_per_microbatch:
-        tokens = min(g.max_tokens_per_microbatch, tokens * g.gradient_accumulation_steps)
+    tokens = -(-(tokens or microbatch_tokens(cfg)) // plan.sp)  # this rank's slice of the row
     layers = -(-config.num_hidden_layers // plan.pp)  # a stage's share
     vocab, hidden = config.vocab_size, config.hidden_size
     chunk = min(g.logprob_chunk_size, tokens)
@@ -212,6 +222,7 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int) -> dict:
         "activations": tokens * activation_bytes_per_token(config, layers, cfg.model.dtype,
                                                            cfg.model.gradient_checkpointing),
         "logprob_head": head,
+        "sequence_parallel": _all_to_all_bytes(config, tokens, weight_b) if plan.sp > 1 else 0,
     }
     if device == "cuda" and r.sleep:  # vLLM's weights and KV cache leave the GPU while it trains
         peak["rollout"] = max(0, peak["rollout"] - peak["activations"] - head)
@@ -228,7 +239,7 @@ def _gathered_bytes(zero: dict, plan: Plan, weight_b: int) -> int:
     plan without this term (tests/test_train_real_vocab.py holds the plan to that run)."""
     if plan.zero_stage < 3:
         return 0  # the parameters are whole already (trainer_state)
-    whole = plan.bytes_per_rank["params"] * plan.dp  # this rank's share of the model, ungathered by dp
+    whole = plan.bytes_per_rank["params"] * plan.zero_partitions  # this rank's share, ungathered
     return min(whole, int(float(zero.get("stage3_max_live_parameters", 1e9))) * weight_b)
 
 
@@ -245,7 +256,32 @@ parameter: 24 layers in bf16 on 1 rank 7.0, on 2 ranks 11.7; 4 layers in float32
 def _step_bytes(plan: Plan, trained_params: int, dtype: str) -> int:
     if plan.zero_stage == 0:
         return 0
-    return trained_params // plan.dp * STEP_BYTES_PER_PARAMETER[dtype]
+    return trained_params // plan.zero_partitions * STEP_BYTES_PER_PARAMETER[dtype]
+
+
+def _all_to_all_bytes(config, tokens: int, weight_b: int) -> int:
+    """Ulysses' exchange of one layer: q, k and v of this rank's tokens sent and received (the
+    whole sequence's for heads/sp), twice over for the contiguous copies around each all-to-all."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", config.num_attention_heads)
+    return 4 * tokens * (config.num_attention_heads + 2 * kv) * head_dim * weight_b
+
+
+def longest_row(cfg: Config, plan: Plan, ranks_per_node: int, node_bytes: int, what: str) -> int:
+    """The most tokens a micro-batch (one sequence alone in it, under sp its packed row) can hold
+    with the peak inside the node's budget; 0 when nothing fits."""
+    shared = ranks_per_node if what.startswith("RAM") else 1
+
+    def fits(tokens: int) -> bool:
+        return shared * sum(peak_memory(cfg, plan, plan.params_trained, tokens).values()) <= node_bytes * NODE_HEADROOM
+
+    low, high = 0, 1024
+    while fits(high) and high < 2**24:
+        low, high = high, high * 2
+    while high - low > 256:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def _bucket_bytes(zero: dict, trained_params: int, weight_b: int) -> int:
@@ -298,52 +334,6 @@ NODE_HEADROOM = 0.9
 """Share of a node's memory the ranks may plan to use (the rest: the OS, page cache, launcher)."""
 
 
-PIPELINE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def check_layout(cfg: Config) -> None:
-    """Layouts DeepSpeed or the model cannot run are refused here, before anything is built."""
-    p = cfg.parallel
-    tp, pp, sp = p.tensor_parallel_size, p.pipeline_parallel_size, p.sequence_parallel_size
-    require(tp >= 1, f"parallel.tensor_parallel_size: {tp} must be >= 1")
-    require(pp >= 1, f"parallel.pipeline_parallel_size: {pp} must be >= 1")
-    if pp > 1:
-        stage = zero_stage(cfg.deepspeed)
-        require(stage <= 1, f"parallel.pipeline_parallel_size={pp} with ZeRO stage {stage}: DeepSpeed "
-                "runs pipelines with ZeRO stage 0 or 1 only; use configs/ds_zero0.json or a "
-                "stage-1 config, or pipeline_parallel_size=1")
-    world = os.environ.get("WORLD_SIZE")
-    if cfg.rollout.placement == "disaggregated":
-        world = check_disaggregated(cfg, world)  # the trainers' share of the launch
-    if world is not None:
-        require(int(world) % (tp * pp * sp) == 0,
-                f"world size {world} is not divisible by tensor_parallel_size x pipeline_parallel_size x "
-                f"sequence_parallel_size = {tp} x {pp} x {sp}; launch a multiple of {tp * pp * sp} ranks")
-    model_config = os.path.join(cfg.model.name_or_path, "config.json")
-    model = {}
-    if (tp > 1 or pp > 1 or sp > 1) and os.path.isfile(model_config):
-        with open(model_config) as f:
-            model = json.load(f)
-    heads = model.get("num_attention_heads")
-    kv_heads = model.get("num_key_value_heads", heads)
-    check_sequence_parallel(cfg, heads or sp, kv_heads or sp)
-    if model and (tp > 1 or pp > 1):
-        for name, count in (("attention heads", heads), ("key-value heads", kv_heads)):
-            require(count is None or count % tp == 0,
-                    f"parallel.tensor_parallel_size={tp} does not divide the model's {count} "
-                    f"{name}; use a divisor of {count}")
-        require(pp == 1 or model.get("model_type") in PIPELINE_ARCHITECTURES,
-                f"parallel.pipeline_parallel_size={pp}: no pipeline layer map for model_type "
-                f"'{model.get('model_type')}' (supported: {', '.join(PIPELINE_ARCHITECTURES)})")
-        layers = model.get("num_hidden_layers", pp)
-        require(layers >= pp, f"parallel.pipeline_parallel_size={pp} exceeds the model's "
-                f"{layers} layers")
-    if pp > 1:
-        require(cfg.grpo.packing, f"parallel.pipeline_parallel_size={pp} needs grpo.packing=true "
-                "(the stages pass packed rows, not padded ones)")
-    check_generator_layout(cfg, world)
-
-
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
@@ -356,9 +346,9 @@ def format_plan(plan: Plan, max_rows: int = 16) -> str:
         servers = plan.generating_ranks // plan.generator_tp
         generation = (f"generation on ranks {trainers}-{plan.world_size - 1}: {servers} vLLM server(s) of tp "
                       f"{plan.generator_tp}, max staleness {plan.max_staleness}")
-    world = f"world {plan.world_size} = " + (f"{trainers} training (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}) + "
-                                             f"{plan.generating_ranks} generating" if plan.generating_ranks else
-                                             f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp}")
+    dims = f"dp {plan.dp}" + (f" x sp {plan.sp}" if plan.sp > 1 else "") + f" x tp {plan.tp} x pp {plan.pp}"
+    world = f"world {plan.world_size} = " + (f"{trainers} training ({dims}) + {plan.generating_ranks} generating"
+                                             if plan.generating_ranks else dims)
     lines = [f"{world}, {generation}; ZeRO stage {plan.zero_stage}",
              *([f"servers: {', '.join(plan.servers)} (their memory is theirs: size them with vLLM's own "
                 "settings)"] if plan.servers else []),
@@ -366,9 +356,11 @@ def format_plan(plan: Plan, max_rows: int = 16) -> str:
              f"split by tensor parallelism"
              + (f"; LoRA adapters: {plan.params_trained / 1e6:.2f}M trained parameters (the base frozen)"
                 if plan.lora else ""),
-             "", f"{'rank':>5} {'dp rank':>8} {'tp shard':>9} {'pp stage':>9}"]
-    for rank, dp_rank, tp_rank, stage in plan.ranks[:max_rows]:
-        lines.append(f"{rank:>5} {dp_rank:>8} {f'{tp_rank + 1}/{plan.tp}':>9} {stage:>9}")
+             "", f"{'rank':>5} {'dp rank':>8} {'tp shard':>9} {'pp stage':>9}"
+             + (f" {'sequence slice':>15}" if plan.sp > 1 else "")]
+    for rank, dp_rank, tp_rank, stage, sp_rank in plan.ranks[:max_rows]:
+        lines.append(f"{rank:>5} {dp_rank:>8} {f'{tp_rank + 1}/{plan.tp}':>9} {stage:>9}"
+                     + (f" {f'{sp_rank + 1}/{plan.sp}':>15}" if plan.sp > 1 else ""))
     if len(plan.ranks) > max_rows:
         lines.append(f"  ... {len(plan.ranks) - max_rows} more ranks, same pattern")
     lines += ["", "model state per rank:"]

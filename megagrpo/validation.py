@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megagrpo.cluster.layout import check_layout
 from megagrpo.config.loading import read_config
 from megagrpo.config.schema import Config
 from megagrpo.config.validation import check_config
 from megagrpo.metrics import report_sinks
-from megagrpo.planning import check_layout
 from megagrpo.policy.lora import check_lora
 from megagrpo.rewards import check_reward_names
 from megagrpo.rollout.tools import check_tools

@@ -60,3 +60,19 @@ def test_generator_groups(world, tp, pp, generator_tp):
         assert p.generates == (p.rank in sampling_block)
         model = p.model_ranks()
         assert p.shares_rollout == (len(model) > 1 and not all(places[q].generates for q in model))
+
+
+@pytest.mark.parametrize("world,sp", [(2, 2), (4, 2), (8, 4), (8, 2)])
+def test_sequence_parallel_groups_are_deepspeeds(world, sp):
+    """The sp groups as DeepSpeed's `parallel_state_sp` forms them (blocks of sp consecutive
+    ranks, which the engine reduces over); a replica (model group) is one sp group, its first
+    rank alone samples and shares the rollout, dp ranks hold the same slice of other prompts."""
+    places = [Topology(world, r, 0, sp_size=sp) for r in range(world)]
+    blocks = [list(range(first, first + sp)) for first in range(0, world, sp)]
+    assert sorted({tuple(p.model_ranks()) for p in places}) == [tuple(b) for b in blocks]
+    for p in places:
+        assert (p.dp_size, p.dp_rank, p.sp_rank, p.tp_rank, p.pp_rank) == (world // sp, p.rank // sp, p.rank % sp, 0, 0)
+        assert p.rank_of(0, p.dp_rank, 0, p.sp_rank) == p.rank
+        assert p.dp_ranks() == [d * sp + p.sp_rank for d in range(world // sp)]
+        assert p.generates == p.samples_rollout == (p.sp_rank == 0) and p.shares_rollout
+        assert f"dp {world // sp} x sp {sp} x tp 1" in p.describe()

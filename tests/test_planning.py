@@ -1,9 +1,13 @@
 """The memory planner (megagrpo/planning.py; `megagrpo plan`, `--dry-run`): the layout and the
 bytes of parameters, gradients and optimizer state per rank, counted by hand on the tiny model,
 for tp, pp x tp and LoRA, and real shapes refused or accepted by --check-memory."""
+import re
+
+import pytest
 import torch
 from conftest import BIN, PYTHON, run, tiny_overrides
 
+from megagrpo.config.schema import ConfigError
 from megagrpo.validation import load_config
 
 
@@ -117,3 +121,35 @@ def test_a_rank_near_the_nodes_memory_says_so_once_per_phase(tmp_path):
     assert MemoryWatch(rank=0, planned_gib=1e6, meminfo=str(meminfo)).check() is None  # within its plan
     assert "(no plan of host memory" in MemoryWatch(rank=0, planned_gib=None, meminfo=str(meminfo)).check()
     assert MemoryWatch(rank=0, planned_gib=None, meminfo=str(tmp_path / "absent")).check() is None
+
+
+def test_sequence_parallel_plan_splits_activations_and_refuses_a_trajectory_the_kv_cache_cannot_hold(
+        tiny, tmp_path, monkeypatch, capsys):
+    """sp 2 on 4 ranks: ZeRO partitions over dp x sp (4), each rank's activations are half a
+    row, the all-to-all's buffers counted; `plan` prints the sp slices and the longest sequence
+    that trains, which sp lengthens. A co-located CPU engine whose KV cache cannot hold one
+    trajectory is refused before launch with the numbers that would fit."""
+    from megagrpo.cli import main as cli
+    from megagrpo.planning import make_plan
+
+    base = tiny_overrides(tiny, tmp_path) + ["rollout.max_new_tokens=2048"]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    one = make_plan(load_config("configs/tiny_arith.yaml", base), 4)
+    two = make_plan(load_config("configs/tiny_arith.yaml", base + ["parallel.sequence_parallel_size=2"]), 4)
+    assert (two.dp, two.sp, two.zero_partitions) == (2, 2, 4)
+    assert two.bytes_per_rank == one.bytes_per_rank  # ZeRO-3 over 4 ranks either way
+    assert two.peak["activations"] * 2 == pytest.approx(one.peak["activations"], rel=1e-3)
+    assert two.peak["sequence_parallel"] > 0 == one.peak["sequence_parallel"]
+    longest = {}
+    for sp in (1, 2):
+        assert cli(["plan", "--config", "configs/tiny_arith.yaml", "--world-size", "4", "--node-memory-gib", "12",
+                    *base, f"parallel.sequence_parallel_size={sp}"]) == 0
+        out = capsys.readouterr().out
+        longest[sp] = int(re.search(r"longest sequence that trains in this memory: (\d+) tokens", out).group(1))
+    assert "world 4 = dp 2 x sp 2 x tp 1 x pp 1" in out and "    3        1       1/1         0             2/2" in out
+    assert longest[2] > 1.5 * longest[1] > 0, longest
+    per_token = 2 * 2 * 2 * 64 * 4  # K and V x 2 layers x 2 kv heads x 64 x float32
+    with pytest.raises(ConfigError, match=rf"rollout.cpu_kv_cache_gb=0.001 holds {2**30 // 1000 // per_token} tokens "
+                                          r"of this model's KV cache \(2048 bytes each\), fewer than one "
+                                          r"trajectory's 2\d\d\d .* raise rollout.cpu_kv_cache_gb to 0.00"):
+        load_config("configs/tiny_arith.yaml", base + ["rollout.cpu_kv_cache_gb=0.001"])

@@ -136,7 +136,7 @@ def release_generating_ranks(store, placement: Placement, timeout_s: float = 60.
                datetime.timedelta(seconds=timeout_s))
 
 
-# ---- the generator layout's rules (planning.check_layout calls them before anything starts) ----
+# ---- the generator layout's rules (cluster/layout.py calls them before anything starts) ----
 
 def check_generator_layout(cfg: Config, world: Optional[str]) -> None:
     """rollout.tensor_parallel_size: its default (the trainer's tp) and the layouts refused.

@@ -1,6 +1,6 @@
 """The configuration's own checks, before any model is built: ranges, files, divisibility, the
 objective's options. Rules that belong to a part of the system live beside it (the layout in
-planning.py, LoRA in policy/lora.py, reward names in rewards/, tools in rollout/tools.py);
+cluster/layout.py, LoRA in policy/lora.py, reward names in rewards/, tools in rollout/tools.py);
 megagrpo/validation.py calls them all."""
 from __future__ import annotations
 

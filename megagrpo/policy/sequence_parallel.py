@@ -30,28 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megagrpo.config.schema import Config, require
 from megagrpo.policy.packing import PackedRows
 
 ATTENTION_KEY = "megagrpo_ulysses"
-
-
-def check_sequence_parallel(cfg: Config, heads: int, kv_heads: int) -> None:
-    """The layouts sp composes with in this version, each refusal naming the fix."""
-    sp, key = cfg.parallel.sequence_parallel_size, "parallel.sequence_parallel_size"
-    require(sp >= 1, f"{key}: {sp} must be >= 1")
-    if sp == 1:
-        return
-    require(cfg.parallel.tensor_parallel_size == 1 and cfg.parallel.pipeline_parallel_size == 1,
-            f"{key}={sp} with tensor_parallel_size={cfg.parallel.tensor_parallel_size} and "
-            f"pipeline_parallel_size={cfg.parallel.pipeline_parallel_size}: sequence parallelism composes "
-            "with data parallelism and ZeRO 0-3 only in this version; set both to 1")
-    require(cfg.grpo.packing, f"{key}={sp} needs grpo.packing=true: the sequences of a micro-batch are "
-            "packed into one row, which the sp ranks split")
-    require(heads % sp == 0, f"{key}={sp} does not divide the model's {heads} attention heads "
-            "(Ulysses gives each rank heads/sp of them): choose a divisor")
-    require(kv_heads % sp == 0 or sp % kv_heads == 0,
-            f"{key}={sp} and the model's {kv_heads} key/value heads: one must divide the other")
 
 
 @dataclass
