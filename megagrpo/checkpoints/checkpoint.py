@@ -239,8 +239,8 @@ def needs_reshard(state: dict, dp: int, tp: int, pp: int, prompts_per_step: int,
     """Whether a checkpoint with trainer state `state` must be re-sharded to continue on this
     layout; ValueError says why it cannot. Re-sharding goes through DeepSpeed's universal
     checkpoint: dp may change (same global batch), and a tensor-parallel (AutoTP) checkpoint
-    may go to tp=1; both sides ZeRO 1-3, no pipeline. ZeRO partitions over dp x sp ranks, so
-    a change of sp alone that keeps dp x sp needs none."""
+    may go to tp=1; both sides ZeRO 1-3, no pipeline. sp may change too (ZeRO partitions over
+    dp x sp ranks)."""
     saved = state.get("layout", {})
     was_dp, was_tp, was_pp = state.get("dp_size", dp), saved.get("tp", tp), saved.get("pp", pp)
     was_sp = saved.get("sp", 1)
@@ -261,8 +261,6 @@ def needs_reshard(state: dict, dp: int, tp: int, pp: int, prompts_per_step: int,
         raise ValueError(f"was saved with dp={was_dp} and {state.get('prompts_per_step', 'an unrecorded number of')} "
                          f"prompts per step; this run has dp={dp} and {prompts_per_step}. To change dp keep "
                          "the global batch: per_device_train_batch_size x dp the same")
-    if (was_dp * was_sp, was_tp) == (dp * sp, tp):
-        return False  # the same ZeRO partitions; only the sequences are split otherwise
     if saved.get("zero_stage", 0) == 0 or zero == 0:
         raise ValueError(f"is a ZeRO-0 checkpoint (or this run uses ZeRO-0); re-sharding it ({change}) goes "
                          "through DeepSpeed's universal checkpoint, which needs ZeRO 1-3 on both sides")

@@ -158,7 +158,7 @@ class Topology:
 
     def stage_ranks(self, pp_rank: int) -> list[int]:
         """The tp ranks of one pipeline stage of this rank's model group."""
-        return [self.rank_of(pp_rank, self.dp_rank, t) for t in range(self.tp_size)]
+        return [self.rank_of(pp_rank, self.dp_rank, t, self.sp_rank) for t in range(self.tp_size)]
 
     def dp_ranks(self, rank: Optional[int] = None) -> list[int]:
         """Global ranks that hold the same shard as `rank` (by default this rank), in dp order."""

@@ -7,6 +7,9 @@ Two switches, both on by default; both off give the plain path (what the tests c
            hidden states, never holding all N x V logits (fused_logprobs.py);
            off: full logits, log_softmax, gather.
 
+Under sequence parallelism the micro-batch is one packed row, each rank of the sp group holding
+a slice of it, and the per-token results are gathered over the group (sequence_parallel.py).
+
 The fused pass lives inside the LM head module (`LogprobHead`), so DeepSpeed ZeRO-3 gathers
 its weight for forward and backward exactly as it does for any other layer; the head reads
 only the positions that predict completion tokens.

@@ -148,5 +148,6 @@ def use_ulysses_attention(model, sp: SequenceParallel) -> None:
         # the mask transformers built is for the local slice; the core masks per sequence
         return ulysses(module, query, key, value, None, *args, **kwargs)
 
-    AttentionInterface.register(ATTENTION_KEY, attention)
-    model.set_attn_implementation(ATTENTION_KEY)
+    key = f"{ATTENTION_KEY}_{text.num_attention_heads}_{text.num_key_value_heads}_{core_name}"  # one per shape
+    AttentionInterface.register(key, attention)
+    model.set_attn_implementation(key)

@@ -1,13 +1,15 @@
 """One-rank training jobs forked from a process that has imported the trainer already
-(multiprocessing's forkserver with `megagrpo.train` preloaded), for tests that start the same job
-many times to kill it (tests/test_checkpoints_resume.py): a job is ready in about 2 s instead of
-6.5 s, 4 of which are imports. Each job is a real process of its own, killed for real.
+(multiprocessing's forkserver with `megagrpo.train` preloaded): a job is ready in about 2 s
+instead of 6.5 s, 4 of which are imports. Each job is a real process of its own, killed for
+real. tests/test_checkpoints_resume.py starts the same job many times to kill it, and conftest's
+`run` starts every `python -m megagrpo.train` from the repository root this way.
 
     job = WarmJob(["--config", ..., "key=value"], log_path, {"MEGAGRPO_CRASH_AT": ...})
     job.poll(); job.kill(); job.wait()   # as subprocess.Popen's; returncode -9 after SIGKILL
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import sys
@@ -16,11 +18,15 @@ _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["megagrpo.train"])  # before the server starts: its first job
 
 
-def _job(argv: list[str], log_path: str, env: dict) -> None:
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+def _job(argv: list[str], log_path: str, env: dict, stderr_path: str | None, whole_env: bool) -> None:
+    os.setsid()  # a process group of its own, for the leftovers of a job (run() kills them)
+    out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(out, 1)
+    os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) if stderr_path else out, 2)
     sys.stdout.reconfigure(line_buffering=True)
+    faulthandler.enable()  # SIGABRT prints where it hung, as PYTHONFAULTHANDLER does for a cold one
+    if whole_env:  # the job's environment exactly, not the server's with these added
+        os.environ.clear()
     os.environ.update(env)
     from megagrpo.process_exit import exit_without_teardown
     from megagrpo.train import main
@@ -28,9 +34,17 @@ def _job(argv: list[str], log_path: str, env: dict) -> None:
 
 
 class WarmJob:
-    def __init__(self, argv: list[str], log_path, env: dict | None = None):
-        self.process = _context.Process(target=_job, args=(argv, str(log_path), env or {}))
+    """stderr_path: stderr apart (default: with stdout in log_path); whole_env: `env` is the job's
+    whole environment (default: added to the forkserver's)."""
+
+    def __init__(self, argv: list[str], log_path, env: dict | None = None, stderr_path=None, whole_env=False):
+        self.process = _context.Process(target=_job, args=(argv, str(log_path), env or {},
+                                                           stderr_path and str(stderr_path), whole_env))
         self.process.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     @property
     def returncode(self):
