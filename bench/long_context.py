@@ -5,6 +5,7 @@ time per token against sp 1 at a length both run.
 
     python bench/long_context.py                          # sp 1 2 4, lengths 1k 2k 4k ... on CPU
     python bench/long_context.py --sp 1 2 --budget-gib 4 --lengths 1024 2048 4096 8192
+    python bench/long_context.py --sp 1 --tiled-mlp --no-checkpointing    # model.tiled_mlp
 
 The model has Qwen2.5-0.5B's widths, vocabulary and kv heads, cut to --layers layers, with 16
 attention heads of 56 (the real one has 14 of 64, which sp 4 does not divide), random weights,
@@ -35,6 +36,7 @@ def settings(args, sp: int) -> list[str]:
             f"parallel.sequence_parallel_size={sp}", "grpo.kl_coef=0", "grpo.per_device_train_batch_size=2",
             "grpo.num_generations=2", "grpo.max_tokens_per_microbatch=0", "grpo.packing=true",
             f"model.gradient_checkpointing={str(args.checkpointing).lower()}", "rollout.engine=hf",
+            f"model.tiled_mlp={str(args.tiled_mlp).lower()}",
             f"grpo.logprob_chunk_size={args.chunk}", f"data.train_file={os.path.join(args.work, 'train.jsonl')}",
             "data.eval_file=null"]
 
@@ -90,6 +92,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--chunk", type=int, default=1024, help="grpo.logprob_chunk_size")
+    p.add_argument("--tiled-mlp", action=argparse.BooleanOptionalAction, default=False, help="model.tiled_mlp")
     p.add_argument("--work", default="/tmp/long_context")
     p.add_argument("--model", help="default: built in --work")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "long_context.json"))
@@ -111,6 +114,7 @@ def main(argv=None) -> None:
                    os.path.abspath(__file__), "--worker", "--budget-gib", str(args.budget_gib), "--dtype", args.dtype,
                    "--chunk", str(args.chunk), "--work", args.work, "--model", args.model,
                    "--checkpointing" if args.checkpointing else "--no-checkpointing",
+                   "--tiled-mlp" if args.tiled_mlp else "--no-tiled-mlp",
                    "--lengths", *map(str, args.lengths)]
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         found = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
@@ -128,7 +132,8 @@ def main(argv=None) -> None:
         summary[sp] = max(within, key=lambda r: r["length"]) if within else None
     shared = max((r["length"] for r in rows if r["sp"] == args.sp[0] and summary[args.sp[0]]
                   and r["length"] <= summary[args.sp[0]]["length"]), default=None)
-    print(f"\nbudget {args.budget_gib} GiB per rank, {args.dtype}, checkpointing {args.checkpointing}")
+    print(f"\nbudget {args.budget_gib} GiB per rank, {args.dtype}, checkpointing {args.checkpointing}, "
+          f"tiled MLP {args.tiled_mlp}")
     print(f"{'sp':>3} {'longest':>8} {'x sp 1':>7} {'peak GiB':>9} {'plan GiB':>9} {'peak/plan':>10} "
           f"{'s/1k tokens at ' + str(shared):>22}")
     for sp, best in summary.items():
@@ -143,6 +148,7 @@ def main(argv=None) -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"budget_gib": args.budget_gib, "dtype": args.dtype, "checkpointing": args.checkpointing,
+                   "tiled_mlp": args.tiled_mlp,
                    "layers": args.layers, "rows": rows, "longest": summary}, f, indent=1)
     print(f"-> {args.out}")
 

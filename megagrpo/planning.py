@@ -168,16 +168,16 @@ engine, less the 0.5M-parameter model's): 3.0 in float32, 2.05 in bfloat16, on a
 Qwen2.5-0.5B-shaped model (4 layers)."""
 
 
-def activation_bytes_per_token(config, layers: int, dtype: str, checkpointing: bool) -> int:
+def activation_bytes_per_token(config, layers: int, dtype: str, checkpointing: bool, tiled_mlp: bool = False) -> int:
     """Bytes the backward keeps per token of a micro-batch through `layers` decoder layers.
     Counted with saved-tensor hooks on Qwen2.5-0.5B's shape (bench/memory_model.py): one layer
     keeps (14 h + 6 i) values per token (h hidden, i intermediate size) in the model's dtype,
     plus the float32 inputs of its two RMSNorms in bfloat16; within 4% in float32 and bfloat16.
     With activation checkpointing each layer keeps its input (h values) and one layer at a time
-    is recomputed in full."""
+    is recomputed in full. A tiled MLP (model.tiled_mlp) keeps none of its 6 i for the row."""
     h, i = config.hidden_size, config.intermediate_size
     b = 4 if dtype == "float32" else 2
-    layer = b * (14 * h + 6 * i) + (4 * h if dtype != "float32" else 0)
+    layer = b * (14 * h + (0 if tiled_mlp else 6 * i)) + (4 * h if dtype != "float32" else 0)
     if checkpointing:
         return layers * b * h + layer
     return layers * layer
@@ -220,7 +220,7 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int, tokens: Optional[i
         "gathered_params": _gathered_bytes(zero, plan, weight_b),
         "rollout": engine_bytes(cfg, plan.bytes_per_rank["rollout_weights"]),
         "activations": tokens * activation_bytes_per_token(config, layers, cfg.model.dtype,
-                                                           cfg.model.gradient_checkpointing),
+                                                           cfg.model.gradient_checkpointing, cfg.model.tiled_mlp),
         "logprob_head": head,
         "sequence_parallel": _all_to_all_bytes(config, tokens, weight_b) if plan.sp > 1 else 0,
     }

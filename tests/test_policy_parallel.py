@@ -122,20 +122,41 @@ def test_ulysses_rows_equal_one_rank_for_every_loss_type(tiny):
     assert out["checkpointing_grad_difference"] < 1e-5, out
 
 
+def test_tiled_mlp_gives_the_plain_gradients(tiny):
+    """model.tiled_mlp (DeepSpeed's TiledMLP): a 235-token row through the tiny model (hidden
+    128: 2 tiles) gives the same log-probs and gradients as the plain MLP, with gradient
+    checkpointing too."""
+    from sequence_parallel_probe import batch, losses_and_grads, model
+
+    from megagrpo.policy.tiled_mlp import tile_mlps
+
+    plain = model(tiny["warm"])
+    b = batch(plain.config.vocab_size)
+    loss, grads = losses_and_grads(plain, b, None, "grpo")
+    for checkpointing in (False, True):
+        tiled = model(tiny["warm"], checkpointing=checkpointing)
+        assert tile_mlps(tiled) == 2
+        tiled_loss, tiled_grads = losses_and_grads(tiled, b, None, "grpo")
+        assert abs(tiled_loss - loss) < 1e-6 and grads.norm() > 1e-3
+        torch.testing.assert_close(tiled_grads, grads, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("ranks,sp,checkpointing", [(2, 2, False), (4, 2, True)])
-def test_sequence_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, sp, checkpointing):
-    """Ulysses sequence parallelism under ZeRO-3 with vLLM co-located: sp 2 on 2 ranks and
-    dp 2 x sp 2 on 4 ranks (with gradient checkpointing), each against one rank on the same
-    global batch: step-1 loss, grad norms, the parameters after 2 steps. Micro-batches of at
-    most 40 tokens put about one sequence in a row, so sequences span both ranks of a group.
-    The 2-rank run's step-1 checkpoint then resumes on one rank (sp 1)."""
+@pytest.mark.parametrize("ranks,sp", [(2, 2), (4, 2)])
+def test_sequence_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, sp):
+    """Ulysses sequence parallelism under ZeRO-3 with vLLM co-located: sp 2 on 2 ranks (with
+    model.tiled_mlp, rows of up to 600 tokens: 2-3 tiles a slice) and dp 2 x sp 2 on 4 ranks
+    (with gradient checkpointing, micro-batches of at most 40 tokens: about one sequence a row,
+    so sequences span both ranks of a group), each against one rank on the same global batch:
+    step-1 loss, grad norms, the parameters after 2 steps. The 2-rank run's step-1 checkpoint
+    then resumes on one rank (sp 1)."""
     dp = ranks // sp
     reference, parallel = single_rank(16 * dp), tmp_path / f"dp{dp}_sp{sp}"
+    layout = (["model.tiled_mlp=true", "grpo.max_tokens_per_microbatch=600"] if ranks == 2 else
+              ["grpo.max_tokens_per_microbatch=40", "model.gradient_checkpointing=true"])
     proc = run([*torchrun(ranks, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
                 *tiny_overrides(tiny, parallel), *COMMON, "grpo.per_device_train_batch_size=16",
-                f"parallel.sequence_parallel_size={sp}", "deepspeed=configs/ds_zero3.json",
-                "grpo.max_tokens_per_microbatch=40", f"model.gradient_checkpointing={str(checkpointing).lower()}",
+                f"parallel.sequence_parallel_size={sp}", "deepspeed=configs/ds_zero3.json", *layout,
                 "checkpoint.save_steps=1"], timeout=800)
     assert f"world {ranks} = dp {dp} x sp {sp} x tp 1" in proc.stdout
     expected, got = _losses(reference), _losses(parallel)

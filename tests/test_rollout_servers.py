@@ -400,7 +400,7 @@ def test_disaggregated_settings_refused_with_the_fix(tiny, tmp_path, monkeypatch
             ("rollout.ranks=6", r"rollout.ranks=6 leaves no rank to train in a launch of 6"),
             ("rollout.servers=[http://node7:8000]", r"remove rollout.servers"),
             ("parallel.tensor_parallel_size=3", r"world size 4 is not divisible by tensor_parallel_size x "
-                                                r"pipeline_parallel_size = 3 x 1"),
+                                                r"pipeline_parallel_size x sequence_parallel_size = 3 x 1 x 1"),
             ("rollout.partial_rollouts=true", r"rollout.partial_rollouts continues the batches sampled ahead across "
                                               r"a weight update: set rollout.max_staleness >= 1")]:
         extra = ["rollout.ranks=2"] if bad.startswith(("rollout.servers", "parallel", "rollout.partial")) else []

@@ -55,6 +55,10 @@ def check_layout(cfg: Config) -> None:
     if pp > 1:
         require(cfg.grpo.packing, f"parallel.pipeline_parallel_size={pp} needs grpo.packing=true "
                 "(the stages pass packed rows, not padded ones)")
+    if cfg.model.tiled_mlp:
+        require(pp == 1 and zero_stage(cfg.deepspeed) in (0, 3), "model.tiled_mlp=true runs with ZeRO stage 0 "
+                "or 3 and no pipeline (ZeRO 1-2 would reduce a gradient once per tile): use "
+                "configs/ds_zero3.json, or model.tiled_mlp=false")
     check_generator_layout(cfg, world)
     check_kv_cache(cfg)
 

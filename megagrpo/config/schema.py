@@ -48,9 +48,11 @@ class ModelConfig:
     pipeline parallelism DeepSpeed's pipeline activation checkpointing (every decoder layer)."""
     ref_offload: bool = False
     """Keep the frozen reference model's ZeRO-3 partitions in CPU memory (ZeRO-3 only)."""
+    tiled_mlp: bool = False
+    """DeepSpeed's TiledMLP in every decoder layer: the MLP runs on tiles of ~hidden-size tokens,
+    recomputed in backward, so its intermediates never exist for a whole long row. ZeRO 0 or 3."""
     lora: LoraConfig = field(default_factory=LoraConfig)
-    """LoRA policy: train adapters only; the KL reference is the base model with the adapters
-    disabled (no second model). Off while lora.r is 0."""
+    """LoRA: adapters train, the KL reference is the base with them disabled. Off while lora.r is 0."""
 
 
 @dataclass
@@ -74,8 +76,7 @@ class DataConfig:
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded)."""
     target_field: str = "reference"
-    """Row field holding the gold text that eval's BLEU, ROUGE and perplexity compare with
-    (formerly `data.reference_field`)."""
+    """Row field holding the gold text for eval's BLEU, ROUGE and perplexity (was reference_field)."""
 
 
 @dataclass
@@ -379,8 +380,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     deepspeed: Any = "configs/ds_zero3.json"
-    """Path to a DeepSpeed JSON or an inline mapping. Batch, optimizer and precision keys are
-    filled in from this config."""
+    """A DeepSpeed JSON or an inline mapping; batch, optimizer and precision keys come from here."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     output_dir: str = "runs/megagrpo"

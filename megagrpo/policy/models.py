@@ -23,6 +23,7 @@ from megagrpo.config.schema import Config
 from megagrpo.dtypes import DTYPES
 from megagrpo.policy.logprobs import install_logprob_head
 from megagrpo.policy.sequence_parallel import SequenceParallel, use_ulysses_attention
+from megagrpo.policy.tiled_mlp import tile_mlps
 
 
 def load_tokenizer(path: str):
@@ -118,7 +119,8 @@ def attention_implementation() -> str:
 
 def load_model(cfg: Config, deepspeed_settings: DeepSpeedSettings, sp: Optional[SequenceParallel] = None):
     """The HF model from its folder, with the log-prob head installed (partitioned as it loads
-    where the settings say so); sp: its attention made Ulysses over the sp group."""
+    where the settings say so); sp: its attention made Ulysses over the sp group; with
+    model.tiled_mlp its MLPs tiled (tiled_mlp.py)."""
     ds_config = deepspeed_settings.config
     dschf = HfDeepSpeedConfig(ds_config) if deepspeed_settings.partitions_while_loading else None  # noqa: F841
     model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path,
@@ -127,6 +129,8 @@ def load_model(cfg: Config, deepspeed_settings: DeepSpeedSettings, sp: Optional[
     install_logprob_head(model, cfg.grpo.logprob_chunk_size)
     if sp is not None:
         use_ulysses_attention(model, sp)
+    if cfg.model.tiled_mlp:
+        tile_mlps(model)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     if deepspeed_settings.tensor_parallel and not tied:
         # AutoTP follows the HF tp_plan, whose "lm_head": "colwise_gather_output" would replace
