@@ -66,7 +66,7 @@ def losses_and_grads(m, b, sp, objective):
     grads = torch.cat([p.grad.flatten() for p in m.parameters()])
     if sp is not None:  # DeepSpeed sums the gradients over the sp group (and averages over dp)
         dist.all_reduce(grads, group=sp.group)
-    return float(loss), grads
+    return float(loss.detach()), grads
 
 
 def main():
