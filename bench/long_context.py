@@ -27,6 +27,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from megagrpo.cluster.distributed import free_port  # noqa: E402
+
 BIN = os.path.dirname(sys.executable)
 
 
@@ -109,7 +111,6 @@ def main(argv=None) -> None:
                         "--corpus", os.path.join(args.work, "sft.jsonl")], cwd=ROOT, check=True)
     rows = []
     for sp in args.sp:
-        from megagrpo.cluster.distributed import free_port
         command = [f"{BIN}/torchrun", "--nproc_per_node", str(sp), "--master_port", str(free_port()),
                    os.path.abspath(__file__), "--worker", "--budget-gib", str(args.budget_gib), "--dtype", args.dtype,
                    "--chunk", str(args.chunk), "--work", args.work, "--model", args.model,
