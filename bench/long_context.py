@@ -11,16 +11,17 @@ The model has Qwen2.5-0.5B's widths, vocabulary and kv heads, cut to --layers la
 attention heads of 56 (the real one has 14 of 64, which sp 4 does not divide), random weights,
 bf16 (tools/make_tiny_model.py --shape qwen2.5-0.5b). Each sp size is one launch of sp ranks
 through torchrun (a world of sp ranks: dp 1), which trains one trajectory of each length in
-increasing order until a rank's peak passes the budget. The peak is the rank's peak RSS on CPU
-(the whole process: the plan counts the interpreter and the model state too) and torch's peak
-allocation on GPU. The plan is
-planning.peak_memory at that length, without the rollout engine, which this bench does not
-build. Prints a table, writes JSON (bench/results/long_context.json by default).
+increasing order (after a 256-token step, which allocates Adam's moments) until a rank's peak
+passes the budget. The peak is the training step's peak RSS on CPU (the whole process: the plan
+counts the interpreter and the model state too; the pass, forward and backward, and the
+optimizer step are measured apart) and torch's peak allocation on GPU. The plan is
+planning.peak_memory at that length without the rollout engine, which this bench does not
+build, its runtime part the process's RSS before the model (no vLLM imported). --dp runs dp x sp
+ranks, each training its own trajectory. Prints a table, writes JSON (bench/results/long_context.json by default).
 """
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -48,19 +49,28 @@ def worker(args) -> None:
     import torch
 
     from megagrpo.cluster.distributed import all_reduce, init_distributed
-    from megagrpo.planning import make_plan, peak_memory
+    from megagrpo.metrics import PhaseClock, _status_gib
+    from megagrpo.planning import make_plan, peak_memory, peak_total
     from megagrpo.policy import build_policy
     from megagrpo.policy.batch import Completion, make_batch
     from megagrpo.validation import load_config
 
-    sp = int(os.environ["WORLD_SIZE"])
+    sp = int(os.environ["WORLD_SIZE"]) // args.dp
     cfg = load_config("configs/tiny_arith.yaml", settings(args, sp) + [f"rollout.max_new_tokens={max(args.lengths)}"])
     topology = init_distributed(sp_size=sp)
-    policy = build_policy(cfg, topology, total_steps=len(args.lengths))
+    started = _status_gib("VmRSS")  # the interpreter, torch, DeepSpeed: no model yet
+    policy = build_policy(cfg, topology, total_steps=len(args.lengths) + 1)
+    clock, step = PhaseClock(), policy.engine.step
+
+    def timed_step():  # the peaks of the pass (forward + backward) and of the optimizer step apart
+        clock.lap("pass")
+        step()
+        clock.lap("step")
+    policy.engine.step = timed_step
     cuda = torch.cuda.is_available()
-    plan = make_plan(cfg, sp)
+    plan = make_plan(cfg, sp * args.dp)
     generator = torch.Generator().manual_seed(0)
-    for length in args.lengths:
+    for length in [256] + args.lengths:  # a first step allocates Adam's moments: measured apart
         prompt = torch.randint(10, 1000, (32,), generator=generator).tolist()
         completion = torch.randint(10, 1000, (length - 32,), generator=generator).tolist()
         rows = [Completion(completion, [-1.0] * len(completion), False),
@@ -68,18 +78,25 @@ def worker(args) -> None:
         batch = make_batch([prompt, prompt], rows, torch.tensor([1.0, -1.0]), pad_id=0).to(policy.engine.device)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        clock.lap("before")
+        at_rest = _status_gib("VmRSS")
         start = time.perf_counter()
         metrics = policy.optimize(batch, [[0], [1]])
         seconds = time.perf_counter() - start
-        peak = (torch.cuda.max_memory_allocated() if cuda
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        peak = float(all_reduce(torch.tensor([float(peak)]), "max")[0])
+        rss = all_reduce(torch.tensor([started, at_rest, clock.peak_rss_gib["pass"], clock.peak_rss_gib["step"]],
+                                      dtype=torch.float64), "max").tolist()
+        started_gib, at_rest, pass_gib, step_gib = rss  # the largest rank's, GiB
+        # the training step's own peak: RSS on CPU (the pass and the optimizer step apart), torch's on GPU
+        peak = float(torch.cuda.max_memory_allocated()) if cuda else max(pass_gib, step_gib) * 2**30
         planned = peak_memory(cfg, plan, plan.params_trained, length)
-        planned.pop("rollout")
-        if topology.is_main:
+        planned.pop("rollout")  # this bench builds no vLLM engine, and no vLLM in the runtime:
+        planned["runtime"] = int(started_gib * 2**30)  # the process before the model, measured
+        if topology.is_main and length in args.lengths:
             print("LONG_CONTEXT " + json.dumps({
-                "sp": sp, "length": length, "peak_gib": peak / 2**30, "plan_gib": sum(planned.values()) / 2**30,
-                "plan_activations_gib": planned["activations"] / 2**30, "seconds": seconds,
+                "sp": sp, "dp": args.dp, "length": length, "peak_gib": peak / 2**30,
+                "plan_gib": peak_total(planned) / 2**30, "started_gib": started_gib, "at_rest_gib": at_rest,
+                "pass_peak_gib": pass_gib, "step_peak_gib": step_gib,
+                "plan": {k: v / 2**30 for k, v in planned.items()}, "seconds": seconds,
                 "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}), flush=True)
         if peak > args.budget_gib * 2**30:
             break
@@ -90,6 +107,7 @@ def main(argv=None) -> None:
     p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--budget-gib", type=float, default=3.0, help="per rank")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (each trains its own trajectory)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
@@ -111,8 +129,9 @@ def main(argv=None) -> None:
                         "--corpus", os.path.join(args.work, "sft.jsonl")], cwd=ROOT, check=True)
     rows = []
     for sp in args.sp:
-        command = [f"{BIN}/torchrun", "--nproc_per_node", str(sp), "--master_port", str(free_port()),
-                   os.path.abspath(__file__), "--worker", "--budget-gib", str(args.budget_gib), "--dtype", args.dtype,
+        command = [f"{BIN}/torchrun", "--nproc_per_node", str(sp * args.dp), "--master_port",
+                   str(free_port()), os.path.abspath(__file__), "--worker", "--dp", str(args.dp),
+                   "--budget-gib", str(args.budget_gib), "--dtype", args.dtype,
                    "--chunk", str(args.chunk), "--work", args.work, "--model", args.model,
                    "--checkpointing" if args.checkpointing else "--no-checkpointing",
                    "--tiled-mlp" if args.tiled_mlp else "--no-tiled-mlp",
@@ -124,9 +143,9 @@ def main(argv=None) -> None:
             print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
         rows += found
         for row in found:
-            print(f"sp {row['sp']}  {row['length']:>6} tokens  peak {row['peak_gib']:6.2f} GiB  plan "
-                  f"{row['plan_gib']:6.2f} GiB ({row['peak_gib'] / row['plan_gib']:.2f})  {row['seconds']:7.1f} s",
-                  flush=True)
+            print(f"sp {row['sp']} dp {row['dp']}  {row['length']:>6} tokens  peak {row['peak_gib']:6.2f} GiB (pass "
+                  f"{row['pass_peak_gib']:.2f}, step {row['step_peak_gib']:.2f})  plan {row['plan_gib']:6.2f} GiB "
+                  f"({row['peak_gib'] / row['plan_gib']:.2f})  {row['seconds']:7.1f} s", flush=True)
     summary = {}
     for sp in args.sp:
         within = [r for r in rows if r["sp"] == sp and r["peak_gib"] <= args.budget_gib]

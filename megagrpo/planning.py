@@ -1,26 +1,18 @@
-"""The layout of a run, before anything starts: which rank holds which shard, and the bytes of
-model state (parameters, gradients, optimizer) each rank will hold.
+"""The layout of a run, before anything starts: which rank holds which shard, the bytes of
+model state (parameters, gradients, optimizer) each rank will hold, and its peak memory.
 
     megagrpo plan --config X.yaml --world-size 16 [key.sub=value ...]
     python -m megagrpo.train --dry-run --config X.yaml ...   (world size from the launcher)
 
 The model is built on the meta device (no memory, no weights read) to count its parameters.
-AutoTP splits the 2-D weights of the decoder layers over the tp ranks; embeddings, norms and
-the LM head are replicated. A pipeline holds one stage per tp group, partitioned by parameters
-as DeepSpeed does it (the largest stage is reported; a tied head keeps a copy of the embedding
-on the last stage), its decoder layers split over the stage's tp ranks. Bytes per parameter as
-DeepSpeed's ZeRO optimizers hold them:
-4 (weights) + 4 (gradients) + 12 (a float32 master copy and the two Adam moments) in float32
-training, which bench/parallel_memory.py measures within 1% per rank; 2 + 2 + 12 in bfloat16.
-ZeRO stage 1 splits the optimizer state over the dp ranks, stage 2 the gradients too, stage 3
-the weights too. Gradients are counted as held during the backward: between steps ZeRO 1 and 2
-free them, so the model state measured at rest there is lower by the gradient bytes
-(bench/parallel_memory.py shows both stages). The frozen reference model (when kl_coef > 0)
-holds weights only; the vLLM engine holds one whole copy of the weights plus its
-KV cache. A LoRA policy (model.lora) trains its adapters only: gradients and optimizer state
-are the adapters' (r x (in + out) per adapted linear layer, plus the modules to save), the
-frozen base holds weights only (partitioned under ZeRO-3 like the adapters), and there is no
-reference model (the base with its adapters disabled is the reference).
+AutoTP splits the decoder layers' 2-D weights over the tp ranks (embeddings, norms and the head
+are replicated); a pipeline holds one stage per tp group, partitioned by parameters as
+DeepSpeed does it (the largest stage is reported). Bytes per parameter as DeepSpeed's ZeRO
+optimizers hold them: 4 + 4 + 12 (weights, gradients, a float32 master copy and two Adam
+moments) in float32, 2 + 2 + 12 in bfloat16 (bench/parallel_memory.py: within 1% per rank);
+stage 1 splits the optimizer state over the ZeRO partitions, stage 2 the gradients too, stage
+3 the weights too. A LoRA policy trains its adapters only, its frozen base holds weights only
+and is its own reference. The peak's parts, each measured: docs/parallelism.md.
 """
 from __future__ import annotations
 
@@ -98,7 +90,7 @@ def planned_host_peak_gib(cfg: Config, world_size: int) -> Optional[float]:
     if torch.cuda.is_available():
         return None
     try:
-        return sum(make_plan(cfg, world_size).peak.values()) / 2**30
+        return peak_total(make_plan(cfg, world_size).peak) / 2**30
     except (ConfigError, OSError, ValueError, KeyError):
         return None
 
@@ -195,11 +187,24 @@ def microbatch_tokens(cfg: Config) -> int:
     return tokens
 
 
+PASS_PARTS = ("activations", "logprob_head", "sequence_parallel", "gradient_reduction")  # freed before the step
+STEP_PARTS = ("optimizer_step",)  # allocated after the forward and backward's are freed
+
+
+def peak_total(peak: dict) -> int:
+    """The bytes of a rank's peak: what it holds throughout, plus the larger of the pass's
+    transients and the optimizer step's (one phase at a time: bench/long_context.py measures
+    each phase's peak apart)."""
+    held = sum(v for k, v in peak.items() if k not in PASS_PARTS + STEP_PARTS)
+    return held + max(sum(peak.get(k, 0) for k in PASS_PARTS), sum(peak.get(k, 0) for k in STEP_PARTS))
+
+
 def peak_memory(cfg: Config, plan: Plan, trained_params: int, tokens: Optional[int] = None) -> dict:
     """The bytes one rank holds at its peak (the sampling rank of a stage-0 shard: the largest),
-    by what holds them. The training step's transient is its largest micro-batch's activations
-    (tokens, by default microbatch_tokens; each sp rank holds 1/sp of them) and the fused
-    log-prob head's working set; vLLM on CPU does not sleep, so everything is held together there."""
+    by what holds them (their total: peak_total). The pass's transients are its largest
+    micro-batch's activations (tokens, by default microbatch_tokens; each sp rank holds 1/sp of
+    them) and the fused log-prob head's working set; the optimizer step's come after them. vLLM
+    on CPU does not sleep, so its engine is held throughout there."""
     config = model_config(cfg.model.name_or_path)
     device = _device()
     g, r = cfg.grpo, cfg.rollout
@@ -217,6 +222,7 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int, tokens: Optional[i
         "runtime": RUNTIME_BYTES[device],
         "trainer_state": state,
         "gradient_buckets": _bucket_bytes(zero, trained_params, weight_b),
+        "gradient_reduction": _reduction_bytes(zero, plan, trained_params, weight_b),
         "optimizer_step": _step_bytes(plan, trained_params, cfg.model.dtype),
         "reference": plan.bytes_per_rank["reference"],
         "gathered_params": _gathered_bytes(zero, plan, weight_b),
@@ -245,20 +251,17 @@ def _gathered_bytes(zero: dict, plan: Plan, weight_b: int) -> int:
     return min(whole, int(float(zero.get("stage3_max_live_parameters", 1e9))) * weight_b)
 
 
-STEP_BYTES_PER_PARAMETER = {"float32": 8, "bfloat16": 12}
-"""What a ZeRO 1-3 rank holds beyond its counted state in the training step, per trained
-parameter of its partition: DeepSpeed's optimizer step flattens the gradient partition and casts
-it to float32 for the master weights (4 bytes in float32, 6 in bf16), and the reduction's and
-the step's other transients stay in the allocator. Measured, not derived: an upper envelope of
-what runs of Qwen2.5-0.5B's shape (ZeRO-3) held beyond the plan without this part, per partition
-parameter: 24 layers in bf16 on 1 rank 7.0, on 2 ranks 11.7; 4 layers in float32 on 2 ranks 6.7
-(docs/benchmarks.md, "A real shape against the planner")."""
+STEP_BYTES_PER_PARAMETER = {"float32": 14, "bfloat16": 19}
+"""What a ZeRO 1-3 rank's optimizer step holds beyond the counted state, per trained parameter
+of its partition: DeepSpeed flattens the gradient partition (and in bf16 casts it to float32
+for the master weights), torch's AdamW and the gradient norm make float32 temporaries, and the
+updated partition is copied back. Measured per phase (bench/long_context.py: the step's peak
+above the plan's other parts), Qwen2.5-0.5B's shape: bf16, 24 layers on 2 ranks 18.1, 2 layers
+on 1 rank 13.8-18.0; float32, 2 layers on 2 ranks 12.2-13.5 (docs/parallelism.md)."""
 
 
 def _step_bytes(plan: Plan, trained_params: int, dtype: str) -> int:
-    if plan.zero_stage == 0:
-        return 0
-    return trained_params // plan.zero_partitions * STEP_BYTES_PER_PARAMETER[dtype]
+    return trained_params // plan.zero_partitions * STEP_BYTES_PER_PARAMETER[dtype] if plan.zero_stage else 0
 
 
 def _all_to_all_bytes(config, tokens: int, weight_b: int) -> int:
@@ -275,7 +278,7 @@ def longest_row(cfg: Config, plan: Plan, ranks_per_node: int, node_bytes: int, w
     shared = ranks_per_node if what.startswith("RAM") else 1
 
     def fits(tokens: int) -> bool:
-        return shared * sum(peak_memory(cfg, plan, plan.params_trained, tokens).values()) <= node_bytes * NODE_HEADROOM
+        return shared * peak_total(peak_memory(cfg, plan, plan.params_trained, tokens)) <= node_bytes * NODE_HEADROOM
 
     low, high = 0, 1024
     while fits(high) and high < 2**24:
@@ -284,6 +287,18 @@ def longest_row(cfg: Config, plan: Plan, ranks_per_node: int, node_bytes: int, w
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low
+
+
+REDUCTION_BUCKETS = 1.5
+"""What the backward's gradient reduction holds beyond the bucket, in buckets, over 2 or more
+ZeRO partitions: DeepSpeed's coalesced reduce-scatter flattens the bucket's gradients into a
+copy and gloo copies it again (2 buckets, measured alone); part of it overlaps the pass's other
+transients. 1.5 holds every row of bench/long_context.py within 0.86-0.98 of the plan (dp 2 in
+bf16 and float32, sp 2 and 4); one rank holds none."""
+
+
+def _reduction_bytes(zero: dict, plan: Plan, trained_params: int, weight_b: int) -> int:
+    return int(REDUCTION_BUCKETS * _bucket_bytes(zero, trained_params, weight_b)) if plan.zero_partitions > 1 else 0
 
 
 def _bucket_bytes(zero: dict, trained_params: int, weight_b: int) -> int:
@@ -307,7 +322,8 @@ def node_memory_bytes() -> tuple[int, str]:
 def memory_verdict(plan: Plan, cfg: Config, ranks_per_node: int, node_bytes: int, what: str) -> Optional[str]:
     """None when the peak fits; else what does not fit and the switches that would help."""
     shared = ranks_per_node if what.startswith("RAM") else 1
-    need = shared * sum(plan.peak.values())
+    total = peak_total(plan.peak)
+    need = shared * total
     if need <= node_bytes * NODE_HEADROOM:
         return None
     switches = []
@@ -319,16 +335,16 @@ def memory_verdict(plan: Plan, cfg: Config, ranks_per_node: int, node_bytes: int
     activations = plan.peak["activations"]
     if not cfg.model.gradient_checkpointing:
         switches.append(f"model.gradient_checkpointing=true (activations now {_gib(activations)})")
-    if activations > 0.1 * sum(plan.peak.values()):
+    if activations > 0.1 * total:
         switches.append(f"a smaller grpo.max_tokens_per_microbatch (activations {_gib(activations)} grow with it)")
     if cfg.grpo.kl_coef > 0 and plan.peak["reference"]:
         switches.append(f"grpo.kl_coef=0 (no reference model: {_gib(plan.peak['reference'])})")
-    if plan.peak["logprob_head"] > 0.1 * sum(plan.peak.values()) and cfg.grpo.logprob_chunk_size > 128:
+    if plan.peak["logprob_head"] > 0.1 * total and cfg.grpo.logprob_chunk_size > 128:
         switches.append(f"a smaller grpo.logprob_chunk_size (the log-prob head's "
                         f"{_gib(plan.peak['logprob_head'])} grow with it)")
     if what.startswith("per GPU"):
         switches.append("ZeRO offload (configs/ds_zero3_offload.json) moves optimizer state to host RAM")
-    return (f"does not fit: {shared} rank(s) x {_gib(sum(plan.peak.values()))} at the peak = {_gib(need)}, "
+    return (f"does not fit: {shared} rank(s) x {_gib(total)} at the peak = {_gib(need)}, "
             f"more than {NODE_HEADROOM:.0%} of the {_gib(node_bytes)} {what}. Would help: " + "; ".join(switches))
 
 
@@ -373,8 +389,10 @@ def format_plan(plan: Plan, max_rows: int = 16) -> str:
     if plan.peak:
         lines += ["", "peak memory per rank (the sampling rank, during the training step):"]
         for key, value in plan.peak.items():
-            lines.append(f"  {key:<18}{_gib(value):>12}")
-        lines.append(f"  {'total':<18}{_gib(sum(plan.peak.values())):>12}")
+            phase = " (the pass)" if key in PASS_PARTS else " (the optimizer step)" if key in STEP_PARTS else ""
+            lines.append(f"  {key:<18}{_gib(value):>12}{phase}")
+        lines.append(f"  {'total':<18}{_gib(peak_total(plan.peak)):>12}  (held throughout, plus the larger of the "
+                     "pass's and the optimizer step's)")
     if plan.generating_ranks:
         lines.append(f"peak memory per generating rank (its server's weights and KV cache): "
                      f"{_gib(plan.generating_peak)}")

@@ -153,3 +153,33 @@ def test_sequence_parallel_plan_splits_activations_and_refuses_a_trajectory_the_
                                           r"of this model's KV cache \(2048 bytes each\), fewer than one "
                                           r"trajectory's 2\d\d\d .* raise rollout.cpu_kv_cache_gb to 0.00"):
         load_config("configs/tiny_arith.yaml", base + ["rollout.cpu_kv_cache_gb=0.001"])
+
+
+def test_the_peak_counts_the_pass_or_the_optimizer_step_whichever_is_larger(tiny, tmp_path):
+    """The forward and backward's transients are freed before the optimizer step allocates its
+    own (bench/long_context.py measures the two phases' peaks apart): Qwen2.5-0.5B's shape in
+    bf16 on 2 ranks, ZeRO-3. With short micro-batches the step sets the peak, so a longer
+    micro-batch adds nothing until the pass outgrows the step; then it adds its activations."""
+    from megagrpo.planning import PASS_PARTS, STEP_PARTS, format_plan, make_plan, peak_total
+    model = tmp_path / "qwen2.5-0.5b"
+    run([PYTHON, "tools/make_tiny_model.py", "--shape", "qwen2.5-0.5b", "--config-only", "--out", str(model)])
+
+    def plan(tokens):
+        return make_plan(load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
+            f"model.name_or_path={model}", "model.dtype=bfloat16", "deepspeed=configs/ds_zero3_bf16.json",
+            "model.gradient_checkpointing=false", "grpo.logprob_chunk_size=64",
+            f"grpo.max_tokens_per_microbatch={tokens}"]), 2)
+
+    def phases(p):
+        held = sum(v for k, v in p.peak.items() if k not in PASS_PARTS + STEP_PARTS)
+        return held, sum(p.peak[k] for k in PASS_PARTS), sum(p.peak[k] for k in STEP_PARTS)
+
+    short, middle, long = plan(128), plan(512), plan(8192)
+    held, pass_bytes, step_bytes = phases(short)
+    assert pass_bytes < step_bytes and peak_total(short.peak) == held + step_bytes
+    assert peak_total(middle.peak) == peak_total(short.peak)  # more activations, the same peak
+    held_long, pass_long, _ = phases(long)
+    assert pass_long > step_bytes and held_long == held
+    assert peak_total(long.peak) == held + pass_long < sum(long.peak.values())
+    total = re.search(r"\n  total +([\d.]+) GiB", format_plan(long)).group(1)
+    assert float(total) == pytest.approx(peak_total(long.peak) / 2**30, abs=1e-3)

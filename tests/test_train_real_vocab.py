@@ -54,15 +54,15 @@ def test_real_vocabulary_grpo_on_two_ranks(tiny, tmp_path):
     assert scalars(out, "train/sampling/sampling_logp_difference/max")[1] < 1e-4
     # the planner holds this run's real peak (megagrpo plan --check-memory must not approve a run
     # that dies): every phase's peak RSS of either rank within the plan, and the plan within 20%
-    from megagrpo.planning import make_plan
+    from megagrpo.planning import make_plan, peak_total
     from megagrpo.validation import load_config
     plan = make_plan(load_config("configs/tiny_arith.yaml", [
         *tiny_overrides(tiny, out), f"model.name_or_path={model}", "data.eval_file=null",
         "grpo.per_device_train_batch_size=8"]), 2)
-    planned = sum(plan.peak.values()) / 2**30
+    planned = peak_total(plan.peak) / 2**30
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     measured = max(v for row in rows for k, v in row.items() if k.startswith("train/memory/peak_rss_gib/"))
-    # (measured: 7.36 GiB against a plan of 8.23, 1.12)
+    # (measured: 7.32 GiB against a plan of 8.54, 1.17)
     assert measured <= planned <= 1.2 * measured, (measured, planned, plan.peak)
     exported = load_file(str(out / "hf" / "model.safetensors"))
     start = load_file(str(model / "model.safetensors"))
