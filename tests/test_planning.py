@@ -49,7 +49,7 @@ def test_plan_counts_a_3d_stage_and_refuses_what_does_not_fit(tiny, tmp_path):
     """tp x pp: a rank holds its stage with the decoder layers split by tp. Real shapes (config
     only, no weights): 2 ranks of Qwen2.5-1.5B in bf16 with ZeRO-3 do not fit a 24 GiB node,
     and --check-memory says so (exit 3) with the switches that would help; one rank of 0.5B
-    fits a 32 GiB node (its plan, 22.5 GiB, is above 90% of 24 GiB: the run peaked at 20.2)."""
+    fits a 32 GiB node (its plan, 22.0 GiB, is above 90% of 24 GiB: the run peaked at 20.2)."""
     from megagrpo.planning import make_plan
     from megagrpo.policy.pipeline_module import ModelParts
     cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
