@@ -293,8 +293,8 @@ REDUCTION_BUCKETS = 1.5
 """What the backward's gradient reduction holds beyond the bucket, in buckets, over 2 or more
 ZeRO partitions: DeepSpeed's coalesced reduce-scatter flattens the bucket's gradients into a
 copy and gloo copies it again (2 buckets, measured alone); part of it overlaps the pass's other
-transients. 1.5 holds every row of bench/long_context.py within 0.86-0.98 of the plan (dp 2 in
-bf16 and float32, sp 2 and 4); one rank holds none."""
+transients. With 1.5 the rows of bench/long_context.py peak at 0.85-0.98 of the plan (dp 2 in
+bf16 and float32, sp 2 and 4), one (sp 4, 1024 tokens) at 1.06; one rank holds none."""
 
 
 def _reduction_bytes(zero: dict, plan: Plan, trained_params: int, weight_b: int) -> int:
