@@ -44,16 +44,15 @@ def exit_without_teardown(code: int | None) -> NoReturn:
     raise SystemExit(code)  # not reached: exit() does not return
 
 
-def run_rank(work, rank: int, expected: tuple = ()) -> int:
-    """A rank's work (returns 0); a failure is printed naming the rank (with its traceback
+def run_rank(work, rank: int, expected: tuple = ()):
+    """A rank's work (returns what it returns); a failure is printed naming the rank (with its traceback
     unless one of `expected`, errors whose message says it all) and ends the process at once:
     other ranks may wait in a collective, and the launcher stops them when it sees this one
     exit, instead of everyone hanging until the process-group timeout."""
     try:
-        work()
+        return work()
     except Exception as e:  # noqa: BLE001 - every failure must end this rank now
         if not isinstance(e, expected):
             traceback.print_exc()
         print(f"megagrpo: error on rank {rank}: {e or type(e).__name__}", file=sys.stderr, flush=True)
         os._exit(1)
-    return 0

@@ -306,8 +306,7 @@ def parse_args(argv=None):
                     "(e.g. grpo.kl_coef=0.1 num_generations=8 use_vllm=false).")
     p.add_argument("--config", help="experiment YAML (see configs/)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--timeout-minutes", type=float, default=30.0,
-                   help="process-group timeout for collectives (default 30)")
+    p.add_argument("--timeout-minutes", type=float, default=30.0, help="collectives' timeout (default 30)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the layout and per-rank memory (as `megagrpo plan`) and exit")
     p.add_argument("overrides", nargs="*", help="key.sub=value settings applied after the YAML")
@@ -320,8 +319,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides, planning=args.dry_run)
-        if args.dry_run:
-            plan = make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        plan = make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1"))) if args.dry_run else None
     except (ConfigError, DataError) as e:
         print(f"megagrpo: config error: {e}", file=sys.stderr)
         return 2
@@ -334,15 +332,17 @@ def main(argv=None) -> int:
     launch_env()
     placement = Placement.from_env(cfg)  # rollout.placement: which ranks train, which generate
     if not placement.trains:
-        return run_rank(lambda: serve(cfg, placement), placement.rank, USER_ERRORS)
+        return run_rank(lambda: serve(cfg, placement) or 0, placement.rank, USER_ERRORS)
     placement.enter_trainer_world()
     p = cfg.parallel
     topology = init_distributed(args.timeout_minutes, p.tensor_parallel_size, p.pipeline_parallel_size,
                                 engine_tp(cfg), p.sequence_parallel_size)
     startup.lap("distributed")
     MemoryWatch(topology.rank, planned_host_peak_gib(cfg, topology.world_size)).start()  # before an OOM kill
-    run_rank(lambda: Trainer(cfg, topology, startup).train(), topology.rank, USER_ERRORS)
-    torch.distributed.barrier()  # leave together (vLLM's exit hook tears its groups down)
+    # held until the ranks leave together: its vLLM engine, once collected, ends the process groups
+    trainer = run_rank(lambda: Trainer(cfg, topology, startup), topology.rank, USER_ERRORS)
+    run_rank(trainer.train, topology.rank, USER_ERRORS)
+    torch.distributed.barrier()
     return 0
 
 

@@ -158,13 +158,42 @@ def tiny(tmp_path_factory):
     return paths
 
 
-def torchrun(count: int, *target) -> list[str]:
+def torchrun(count: int, *target, warm: bool = True) -> list[str]:
     """The command that starts `count` ranks of `target` (`"-m", module` or a script and its
     arguments) on this machine, through torchrun: the launcher of the tests that hold a layout
     or a feature to its numbers. It reaches the first rank 3.5 s sooner than the deepspeed
     runner and returns 3 s sooner after the last (docs/benchmarks.md, the suite); the deepspeed
-    launcher itself is tested by the quickstart, test_train_e2e and test_cluster_launch."""
-    return [f"{BIN}/torchrun", "--nproc_per_node", str(count), "--master_port", str(free_port()), *target]
+    launcher itself is tested by the quickstart, test_train_e2e and test_cluster_launch.
+
+    warm: each worker torchrun starts is a stand-in whose rank is forked from the session's
+    server of warm ranks, its imports done (helpers/warm_ranks.py); warm=False for a test that
+    looks for the rank among torchrun's child processes."""
+    stand_in = [os.path.join(ROOT, "tests", "helpers", "warm_ranks.py")] if warm and _warm_ranks_server() else []
+    return [f"{BIN}/torchrun", "--nproc_per_node", str(count), "--master_port", str(free_port()), *stand_in,
+            *target]
+
+
+_WARM_RANKS: list = []  # [the server's Popen, its folder] once started
+
+
+def _warm_ranks_server() -> str:
+    """The socket of the session's server of warm ranks, started on first use (its imports then
+    run while the first launch starts); its environment is the one run() gives a torchrun rank.
+    MEGAGRPO_TEST_COLD_RANKS=1: none, every rank starts cold."""
+    if os.environ.get("MEGAGRPO_TEST_COLD_RANKS") == "1":
+        return ""
+    if not _WARM_RANKS:
+        folder = tempfile.mkdtemp(prefix="megagrpo-warm-ranks-")
+        socket_path = os.path.join(folder, "socket")
+        env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
+               "OMP_NUM_THREADS": "1"}  # torchrun's, for more than one rank a node
+        with open(os.path.join(folder, "server.log"), "w") as log:
+            server = subprocess.Popen([PYTHON, os.path.join(ROOT, "tests", "helpers", "warm_ranks.py"), "--serve",
+                                       socket_path], cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        _WARM_RANKS.extend([server, folder])
+        os.environ["MEGAGRPO_TEST_WARM_RANKS"] = socket_path  # the stand-ins find it there
+    return os.environ["MEGAGRPO_TEST_WARM_RANKS"]
 
 
 def tiny_overrides(tiny, output_dir, **extra):
@@ -294,6 +323,10 @@ def pytest_sessionfinish(session, exitstatus):
     all-reduce files left by ranks killed before they unlinked them (only old ones: a job
     starting elsewhere needs its files until all its ranks have mapped them)."""
     _check_work_tree(session)
+    if _WARM_RANKS:
+        _WARM_RANKS[0].kill()
+        _WARM_RANKS[0].wait()
+        shutil.rmtree(_WARM_RANKS[1], ignore_errors=True)
     for home in _SESSION_HOME:
         shutil.rmtree(home, ignore_errors=True)
     shm = "/dev/shm"

@@ -78,12 +78,14 @@ def _train(tiny, out, *overrides):
                 *tiny_overrides(tiny, out), *COMMON, *overrides], timeout=600)
 
 
-def _kill_after_first_checkpoint(tiny, dying, ranks, overrides, kill):
+def _kill_after_first_checkpoint(tiny, dying, ranks, overrides, kill, warm=True):
     """Start a 40-step job, call kill(job) once its step-1 checkpoint exists, and wait for the
-    job to end: (its output, the seconds from the kill to its end, its exit code)."""
+    job to end: (its output, the seconds from the kill to its end, its exit code). warm=False:
+    its ranks are torchrun's children (conftest.torchrun)."""
     job = subprocess.Popen(
-        [*torchrun(ranks, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, dying),
-         "grpo.max_steps=40", "checkpoint.save_steps=1", "data.eval_file=null", *overrides],
+        [*torchrun(ranks, "-m", "megagrpo.train", warm=warm), "--config", "configs/tiny_arith.yaml",
+         *tiny_overrides(tiny, dying), "grpo.max_steps=40", "checkpoint.save_steps=1", "data.eval_file=null",
+         *overrides],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True)
     try:
@@ -340,7 +342,7 @@ def test_generating_ranks_in_the_job_equal_colocated(tiny, tmp_path, colocated):
 
     out, seconds, code = _kill_after_first_checkpoint(tiny, tmp_path / "dying", 3,
                                                       ["rollout.placement=disaggregated", "rollout.ranks=1"],
-                                                      kill_the_generating_rank)
+                                                      kill_the_generating_rank, warm=False)
     assert code != 0 and seconds < 60, out[-3000:]
     assert re.search(r"rank\s*: 2 \(local_rank: 2\)\s+exitcode\s*: -9", out), out[-3000:]
     psutil.wait_procs(server, timeout=60)
