@@ -35,7 +35,8 @@ def _last_values(rows):
 @pytest.fixture(scope="module")
 def logged_run(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("report") / "run"
-    proc = run([*torchrun(2, "-m", "megagrpo.train"),
+    # cold ranks: test_every_sink_gets_the_same_metrics holds the start-up timeline's imports
+    proc = run([*torchrun(2, "-m", "megagrpo.train", warm=False),
                 "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, out),
                 "grpo.per_device_train_batch_size=16", "grpo.max_steps=4", "logging.eval_steps=2",
                 "logging.report_to=[tensorboard,jsonl,wandb]", "logging.progress_bar=true",

@@ -1,6 +1,6 @@
-"""One-rank training jobs forked from a process that has imported the trainer already
-(multiprocessing's forkserver with `megagrpo.train` preloaded): a job is ready in about 2 s
-instead of 6.5 s, 4 of which are imports. Each job is a real process of its own, killed for
+"""One-rank training jobs forked from a process that has imported the trainer and vLLM's engine
+already (multiprocessing's forkserver with helpers/warm_preload.py preloaded): about 6 s of imports
+skipped a job. Each job is a real process of its own, killed for
 real. tests/test_checkpoints_resume.py starts the same job many times to kill it, and conftest's
 `run` starts every `python -m megagrpo.train` from the repository root this way.
 
@@ -14,8 +14,10 @@ import multiprocessing
 import os
 import sys
 
+from warm_ranks import python_path
+
 _context = multiprocessing.get_context("forkserver")
-_context.set_forkserver_preload(["megagrpo.train"])  # before the server starts: its first job
+_context.set_forkserver_preload(["warm_preload"])  # before the server starts: its first job
 
 
 def _job(argv: list[str], log_path: str, env: dict, stderr_path: str | None, whole_env: bool) -> None:
@@ -27,7 +29,9 @@ def _job(argv: list[str], log_path: str, env: dict, stderr_path: str | None, who
     faulthandler.enable()  # SIGABRT prints where it hung, as PYTHONFAULTHANDLER does for a cold one
     if whole_env:  # the job's environment exactly, not the server's with these added
         os.environ.clear()
-    os.environ.update(env)
+    from warm_preload import environment_after_imports
+    os.environ.update(environment_after_imports(env))
+    sys.path[1:1] = [p for p in python_path(env) if p not in sys.path]  # the folders its PYTHONPATH adds
     from megagrpo.process_exit import exit_without_teardown
     from megagrpo.train import main
     exit_without_teardown(main(argv))

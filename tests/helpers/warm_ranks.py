@@ -11,7 +11,7 @@ that dies (SIGKILL) takes its rank with it. Each rank skips about 6 s of imports
 
 A rank starts cold (the stand-in execs Python as torchrun would have) when no server is set
 (MEGAGRPO_TEST_WARM_RANKS) or when its environment differs from the server's in a variable
-read while the server imported (OpenMP's, the allocator's, PYTHONPATH).
+read while the server imported (OpenMP's, the allocator's); its PYTHONPATH may add folders.
 """
 import array
 import json
@@ -24,10 +24,8 @@ import sys
 import time
 
 SOCKET_VAR = "MEGAGRPO_TEST_WARM_RANKS"
-PRELOAD = ("megagrpo.train", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core",
-           "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.models.qwen2")
 IMPORT_TIME_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "OMP_PROC_BIND", "KMP_AFFINITY", "MKL_NUM_THREADS",
-                    "LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHASHSEED", "DS_ACCELERATOR")
+                    "LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONHASHSEED", "DS_ACCELERATOR")
 """Read when the server imported (libgomp reads OpenMP's settings when torch loads it): a rank
 whose value differs starts cold."""
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGABRT, signal.SIGQUIT, signal.SIGUSR1,
@@ -100,7 +98,7 @@ def stand_in(target: list[str]) -> None:
 
 # --- the server ---------------------------------------------------------------------------------
 
-def _rank(argv: list[str], env: dict, cwd: str, preload_env: dict) -> None:
+def _rank(argv: list[str], env: dict, cwd: str) -> None:
     """In the forked child: become the rank and run its target as Python would have."""
     import random
     import runpy
@@ -113,9 +111,12 @@ def _rank(argv: list[str], env: dict, cwd: str, preload_env: dict) -> None:
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         except (OSError, ValueError):
             pass
+    from warm_preload import environment_after_imports
+
     os.environ.clear()
-    os.environ.update({**preload_env, **env})  # what the imports set, unless the rank sets it
+    os.environ.update(environment_after_imports(env))
     os.chdir(cwd)
+    sys.path[1:1] = [p for p in python_path(env) if p not in sys.path]  # the folders its PYTHONPATH adds
     random.seed()  # a cold process's state, not the server's
     sys.stdout.reconfigure(write_through=True)
     sys.stderr.reconfigure(write_through=True)
@@ -141,13 +142,22 @@ def _rank(argv: list[str], env: dict, cwd: str, preload_env: dict) -> None:
     exit_without_teardown(code)
 
 
-def serve(path: str) -> None:
-    import importlib
+def python_path(env: dict) -> list[str]:
+    return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
 
-    before = dict(os.environ)
-    for module in PRELOAD:
-        importlib.import_module(module)
-    preload_env = {k: v for k, v in os.environ.items() if before.get(k) != v}
+
+def _cold_because(env: dict, server_env: dict) -> str | None:
+    """Why a rank with this environment cannot start from the server's imports (None: it can)."""
+    changed = next((k for k in IMPORT_TIME_VARS if env.get(k) != server_env.get(k)), None)
+    if changed:
+        return f"{changed} differs"
+    missing = set(python_path(server_env)) - set(python_path(env))
+    return f"PYTHONPATH lacks {sorted(missing)}" if missing else None
+
+
+def serve(path: str) -> None:
+    from warm_preload import BEFORE, PRELOAD
+
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
@@ -171,7 +181,7 @@ def serve(path: str) -> None:
                 _kill_group(pid)
         _reap(ranks)
         if listener in ready:
-            _fork_rank(listener, ranks, before, preload_env, (wake_r, wake_w))
+            _fork_rank(listener, ranks, BEFORE, (wake_r, wake_w))
     for pid in ranks:
         _kill_group(pid)
 
@@ -208,13 +218,13 @@ def _reap(ranks: dict) -> None:
             conn.close()
 
 
-def _fork_rank(listener, ranks: dict, before: dict, preload_env: dict, wake_fds) -> None:
+def _fork_rank(listener, ranks: dict, before: dict, wake_fds) -> None:
     conn, _ = listener.accept()
     request, fds = _receive(conn, with_fds=True)
-    mismatch = request and next((k for k in IMPORT_TIME_VARS if request["env"].get(k) != before.get(k)), None)
+    mismatch = request and _cold_because(request["env"], before)
     if request is None or len(fds) != 3 or mismatch:
         if request is not None:
-            _send(conn, {"cold": f"{mismatch} differs" if mismatch else "no stdio"})
+            _send(conn, {"cold": mismatch or "no stdio"})
         for fd in fds:
             os.close(fd)
         conn.close()
@@ -229,7 +239,7 @@ def _fork_rank(listener, ranks: dict, before: dict, preload_env: dict, wake_fds)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        _rank(request["argv"], request["env"], request["cwd"], preload_env)
+        _rank(request["argv"], request["env"], request["cwd"])
     for fd in fds:
         os.close(fd)
     ranks[pid] = conn
