@@ -116,6 +116,7 @@ def _rank(argv: list[str], env: dict, cwd: str) -> None:
     os.environ.clear()
     os.environ.update(environment_after_imports(env))
     os.chdir(cwd)
+    sys.path[0] = cwd if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))  # as Python sets it
     sys.path[1:1] = [p for p in python_path(env) if p not in sys.path]  # the folders its PYTHONPATH adds
     random.seed()  # a cold process's state, not the server's
     sys.stdout.reconfigure(write_through=True)
@@ -124,11 +125,9 @@ def _rank(argv: list[str], env: dict, cwd: str) -> None:
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
-            sys.path[0] = cwd
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
