@@ -45,8 +45,8 @@ def exit_without_teardown(code: int | None) -> NoReturn:
 
 
 def run_rank(work, rank: int, expected: tuple = ()):
-    """A rank's work (returns what it returns); a failure is printed naming the rank (with its traceback
-    unless one of `expected`, errors whose message says it all) and ends the process at once:
+    """A rank's work (returns what it returns); a failure is printed naming the rank (with its
+    traceback unless one of `expected`, errors whose message says it all) and ends the process at once:
     other ranks may wait in a collective, and the launcher stops them when it sees this one
     exit, instead of everyone hanging until the process-group timeout."""
     try:

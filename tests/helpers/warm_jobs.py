@@ -1,7 +1,7 @@
 """One-rank training jobs forked from a process that has imported the trainer and vLLM's engine
-already (multiprocessing's forkserver with helpers/warm_preload.py preloaded): about 6 s of imports
-skipped a job. Each job is a real process of its own, killed for
-real. tests/test_checkpoints_resume.py starts the same job many times to kill it, and conftest's
+already (multiprocessing's forkserver with helpers/warm_preload.py preloaded): about 6 s of
+imports skipped a job. Each job is a real process of its own, killed for real.
+tests/test_checkpoints_resume.py starts the same job many times to kill it, and conftest's
 `run` starts every `python -m megagrpo.train` from the repository root this way.
 
     job = WarmJob(["--config", ..., "key=value"], log_path, {"MEGAGRPO_CRASH_AT": ...})
