@@ -180,8 +180,8 @@ def _warm_ranks_server() -> str:
     """The socket of the session's server of warm ranks, started on first use (its imports then
     run while the first launch starts); its environment is the one run() gives a torchrun rank.
     MEGAGRPO_TEST_COLD_RANKS=1: none, every rank starts cold."""
-    if os.environ.get("MEGAGRPO_TEST_COLD_RANKS") == "1":
-        return ""
+    if os.environ.get("MEGAGRPO_TEST_COLD_RANKS") == "1" or (_WARM_RANKS and _WARM_RANKS[0].poll() is not None):
+        return ""  # asked for, or the server has died (its log: server.log in its folder)
     if not _WARM_RANKS:
         folder = tempfile.mkdtemp(prefix="megagrpo-warm-ranks-")
         socket_path = os.path.join(folder, "socket")

@@ -73,11 +73,15 @@ def stand_in(target: list[str]) -> None:
         try:
             sock.connect(path)
             break
-        except OSError:
+        except FileNotFoundError:  # the server has not finished its imports
             if time.time() > deadline:
-                print(f"warm_ranks: no server at {path}; starting cold", file=sys.stderr, flush=True)
+                print(f"warm_ranks: no server at {path} after 180 s; starting cold", file=sys.stderr, flush=True)
                 _cold(target)
             time.sleep(0.2)
+        except OSError as e:  # it is gone
+            print(f"warm_ranks: the server at {path} does not answer ({e}); starting cold", file=sys.stderr,
+                  flush=True)
+            _cold(target)
     _send(sock, {"argv": target, "env": dict(os.environ), "cwd": os.getcwd()}, fds=(0, 1, 2))
     reply = _receive(sock)
     if reply is None or "cold" in reply:
