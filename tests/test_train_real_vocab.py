@@ -25,6 +25,7 @@ def scalars(out, tag):
 
 
 @pytest.mark.multirank
+@pytest.mark.alone  # about 15 GB: two ranks of 7.3 GiB each
 def test_real_vocabulary_grpo_on_two_ranks(tiny, tmp_path):
     model = tmp_path / "qwen2.5-0.5b-2layers"
     run([PYTHON, "tools/make_tiny_model.py", "--shape", "qwen2.5-0.5b", "--layers", "2", "--out", str(model),
