@@ -47,8 +47,15 @@ _SESSION_FOLDERS: list = []  # the controlling process's (the lock's folder): re
 
 
 def pytest_collection_modifyitems(items):
+    """The slowest files first; a test that looks at the whole machine through
+    helpers/sandbox_host.py must be marked `alone`, so that the marker cannot go stale."""
     first = {name: i for i, name in enumerate(SLOWEST_FILES)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: each file's order kept
+    for item in items:
+        looks = [name for name in ("HostSnapshot", "sandbox_processes") if hasattr(item.module, name)]
+        if looks and item.get_closest_marker("alone") is None:
+            raise pytest.UsageError(f"{item.nodeid} looks at the whole machine ({looks[0]}, "
+                                    "tests/helpers/sandbox_host.py): mark it @pytest.mark.alone (pytest.ini)")
 
 
 def pytest_configure(config):
@@ -283,7 +290,9 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("seconds per test file")
     for path, (tests, seconds) in sorted(_SECONDS_PER_FILE.items(), key=lambda item: -item[1][1]):
         terminalreporter.line(f"{seconds:8.1f} s  {tests:4d} tests  {path}")
-    terminalreporter.line(f"{sum(s for _, s in _SECONDS_PER_FILE.values()):8.1f} s  in all")
+    workers = getattr(terminalreporter.config.option, "numprocesses", None) or 0
+    terminalreporter.line(f"{sum(s for _, s in _SECONDS_PER_FILE.values()):8.1f} s  in all"
+                          + (f" (on {workers} workers at once: more than the run's time)" if workers > 1 else ""))
 
 
 def work_tree_status() -> tuple[set[str] | None, str]:
