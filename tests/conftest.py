@@ -71,6 +71,8 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    """A test (setup, call, teardown) holds the machine share: shared, or whole for one marked
+    `alone`; consecutive `alone` tests of one file keep it whole between them."""
     alone = item.get_closest_marker("alone") is not None
     if _SHARE:
         _SHARE[0].hold(alone)

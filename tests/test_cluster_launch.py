@@ -200,6 +200,9 @@ def single_node_losses(tiny, tmp_path_factory):
 
 @pytest.mark.multirank
 @pytest.mark.daemons
+@pytest.mark.alone  # on a loaded machine (another worker's test beside it) the one-node run's
+# sampled log-probs came out once in 3 suites, and once in 3 runs beside 8 busy loops, a few ulp
+# off (-0.31756294 against -0.31756282; the trainer's entropy equal to the last digit)
 def test_pdsh_two_nodes_over_sshd_equal_single_node(tiny, tmp_path, sshd, single_node_losses):
     out = tmp_path / "run"
     proc = run(["bash", "launch/train.sh", *overrides(tiny, out)],
