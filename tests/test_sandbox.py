@@ -139,6 +139,40 @@ def test_fork_bomb_without_retry_hits_the_process_limit(reward):
     assert_contained(value, reason, comp, ["error"])
 
 
+def test_a_fork_bomb_leaves_the_execution_beside_it_its_processes():
+    """An honest program that has started, then forks after a fork bomb began beside it, gets
+    every process of its limit. Without root both run under one uid; the process limit is set in
+    each execution's user namespace, which counts only that execution's tasks (before, the bomb
+    filled the uid's limit and the honest execution could not fork, or bwrap could not start:
+    `test_all_at_once_in_the_pool` failed so in CI)."""
+    sb = Sandbox(SandboxLimits(**{**LIMITS, "timeout_s": 30}), mode="strict")
+    # bubblewrap outside and its init, python: three tasks of the execution's cgroup and limit
+    children = sb.limits.processes - 3
+    honest = ("import os, time\ntime.sleep(3)\nforked = 0\n"
+              f"for _ in range({children}):\n"
+              "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+              "    if pid == 0:\n        time.sleep(2)\n        os._exit(0)\n    forked += 1\n"
+              "for _ in range(forked):\n    os.wait()\nprint(forked)")
+    bomb = ("import os, time\nend = time.time() + 8\nwhile time.time() < end:\n    try:\n"
+            "        os.fork()\n    except OSError:\n        pass")
+    results = {}
+    honest_run = threading.Thread(target=lambda: results.update(honest=sb.run(honest)))
+    honest_run.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any(said_started(int(p), sb.python) for p in os.listdir("/proc") if p.isdigit()):
+            assert time.monotonic() < deadline, "the honest program did not start"
+            time.sleep(0.05)
+        results["bomb"] = sb.run(bomb)
+    finally:
+        honest_run.join()
+        sb.close()
+    assert results["honest"].ok and results["honest"].stdout.split() == [str(children)], results["honest"]
+    # it ends on its own, or on the CPU limit of one of its processes (SIGKILL at the hard limit)
+    assert results["bomb"].status in ("ok", "timeout", "crash"), results["bomb"]
+    assert sandbox_processes_after_cleanup() == []
+
+
 def test_allocating_50_gb(reward):
     value, reason, comp = score(reward, "x = bytearray(50 * 2**30)\nSIZE = len(x)",
                                 ["assert SIZE == 50 * 2**30"])

@@ -19,7 +19,6 @@ import platform
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -41,6 +40,8 @@ from megagrpo.sandbox.process import (
     claim_uid_block,
     communicate,
     memory_file,
+    namespaced_nproc,
+    sandbox_python,
     tasks_of_uid,
 )
 
@@ -51,13 +52,17 @@ SHARED_PROCESS_LIMIT = 8  # without root: executions one process limit is sized 
                           # workers, each a solution and its trusted side; docs/sandbox.md)
 MINIMAL_DEV = ("null", "zero", "urandom")
 
-# Runs first in the sandbox (python3 -c BOOT LABEL STARTED_FD MAIN_FD [name=fd ...] -- args): says
-# "started" on its pipe, loads the modules and the main program from their memory files, then
-# runs the program as __main__ with sys.argv = ["/sandbox/main.py", *args].
+# Runs first in the sandbox (python3 -c BOOT LABEL STARTED_FD MAIN_FD NPROC [name=fd ...] -- args):
+# lowers RLIMIT_NPROC to NPROC (0: leaves it), says "started" on its pipe, loads the modules and
+# the main program from their memory files, then runs the program as __main__ with
+# sys.argv = ["/sandbox/main.py", *args].
 BOOT = r"""
 import os, sys, types
 def _boot():
-    _, started, main_fd, *rest = sys.argv[1:]
+    _, started, main_fd, nproc, *rest = sys.argv[1:]
+    if nproc != "0":
+        import resource
+        resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
     split = rest.index("--")
     os.write(int(started), b"1")
     os.close(int(started))
@@ -91,7 +96,7 @@ class SandboxLimits:
     open_files: int = 64
     """Open file descriptors (RLIMIT_NOFILE)."""
     processes: int = 16
-    """Processes of the execution (its cgroup's pids.max and RLIMIT_NPROC of its uid; without a
+    """Processes of the execution (its cgroup's pids.max, RLIMIT_NPROC in its namespace; without a
     cgroup at most FALLBACK_PROCESSES)."""
     output_bytes: int = 64 * 1024
     """stdout and stderr are each cut at this many bytes; more kills the program."""
@@ -121,15 +126,6 @@ def _signal_name(number: int) -> str:
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip()[:300] if lines else ""
-
-
-def sandbox_python() -> str:
-    """The interpreter run inside the sandbox: the system's python3 (readable by any uid,
-    under /usr), else this process's base interpreter."""
-    for candidate in ("/usr/bin/python3", os.path.realpath(sys.executable)):
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    raise SandboxUnavailable("no python3 interpreter found for the sandbox")
 
 
 class Sandbox:
@@ -286,7 +282,10 @@ class Sandbox:
         memory_fds = [memory_file("main", main)] + [memory_file(n, s) for n, s in (modules or {}).items()]
         seccomp_fd = seccomp.filter_fd() if self.isolated else None
         label = LONG_LIVED_LABEL if long_lived else EXECUTION_LABEL
-        inner = [self.python, "-I", "-B", "-c", BOOT, label, str(started_w), str(memory_fds[0]),
+        # RLIMIT_NPROC set in bubblewrap's user namespace counts only its tasks (Linux >= 5.14): the
+        # execution's own `processes`, whatever runs beside it under the uid (which _rlimit_args bounds)
+        nproc = self.limits.processes if self.isolated and (self.as_root or namespaced_nproc()) else 0
+        inner = [self.python, "-I", "-B", "-c", BOOT, label, str(started_w), str(memory_fds[0]), str(nproc),
                  *[f"{name}={fd}" for name, fd in zip(modules or {}, memory_fds[1:])], "--", *map(str, args)]
         drop = ["--reuid", str(uid), "--regid", str(uid), "--clear-groups"] if uid is not None else []
         command = [self.setpriv, *drop, "--pdeathsig", "KILL", "--"] if self.setpriv else []

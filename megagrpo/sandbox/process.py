@@ -14,10 +14,13 @@ import ctypes
 import fcntl
 import json
 import os
+import platform
+import re
 import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 from megagrpo.config.schema import ConfigError
@@ -287,3 +290,19 @@ def tasks_of_uid(uid: int) -> int:
         if "Uid" in fields and int(fields["Uid"].split()[0]) == uid:
             count += int(fields.get("Threads", "1"))
     return count
+
+
+def namespaced_nproc() -> bool:
+    """Whether RLIMIT_NPROC set in a user namespace counts only that namespace's tasks (its own
+    ucounts, Linux 5.14); before, it counted every task of the uid."""
+    match = re.match(r"(\d+)\.(\d+)", platform.release())
+    return match is not None and (int(match[1]), int(match[2])) >= (5, 14)
+
+
+def sandbox_python() -> str:
+    """The interpreter run inside the sandbox: the system's python3 (readable by any uid,
+    under /usr), else this process's base interpreter."""
+    for candidate in ("/usr/bin/python3", os.path.realpath(sys.executable)):
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    raise SandboxUnavailable("no python3 interpreter found for the sandbox")
