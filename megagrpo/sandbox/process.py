@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import json
 import os
 import platform
@@ -292,6 +293,7 @@ def tasks_of_uid(uid: int) -> int:
     return count
 
 
+@functools.cache
 def namespaced_nproc() -> bool:
     """Whether RLIMIT_NPROC set in a user namespace counts only that namespace's tasks (its own
     ucounts, Linux 5.14); before, it counted every task of the uid."""
