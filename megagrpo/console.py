@@ -73,6 +73,9 @@ KNOWN_NOISE = (
           "torch's Triton has no CPU backend; vLLM disables it on CPU, as above"),
     Noise("vllm.platforms.cpu", "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'",
           "backend 'none': the model has no SSM state, so the setting changes nothing (a Mamba model's line shows)"),
+    Noise("vllm.model_executor.models.utils", "Attempted to load weight",
+          "a float32 checkpoint (tools/get_model.py's default) loaded into a bfloat16 engine: each weight is rounded "
+          "to bfloat16, exactly as the trainer rounds it when model.dtype is bfloat16, so both hold the same values"),
     Noise(_CPU_WORKER, "libtcmalloc is not found in LD_PRELOAD",
           "a speed hint for CPU inference that does not hold for a trainer sharing the process: measured, "
           "tcmalloc was not faster and kept more memory (docs/cpu-stack.md, Allocator)"),

