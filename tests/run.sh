@@ -11,5 +11,8 @@ cd "$(dirname "$0")/.."
 bash launch/install_system.sh
 MEGAGRPO_EXTRAS=test MEGAGRPO_OFFLOAD_OPS=1 bash launch/install.sh  # pytest, trl, wandb; CPU Adam for the offload tests
 export PYTHONUNBUFFERED=1
+# the workers' jobs share the 2 cores: their OpenMP threads wait passively, as the ranks of one
+# node do (megagrpo/__init__.py sets it only where a launcher started several ranks)
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 exec .venv/bin/python -m pytest -v --durations=15 --timeout=900 -n "${MEGAGRPO_TEST_WORKERS:-2}" \
   --dist loadfile --no-loadscope-reorder tests "$@"

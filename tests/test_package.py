@@ -181,13 +181,20 @@ def test_readme_is_a_front_door_to_every_docs_page():
     assert not missing, f"docs pages not linked from README.md: {missing}"
 
 
-def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
-    """`import megagrpo` sets OMP_WAIT_POLICY before torch is loaded (libgomp reads it then,
-    docs/cpu-stack.md); a value the user set stays."""
+def test_openmp_threads_wait_passively_where_ranks_share_a_node():
+    """`import megagrpo` sets OMP_WAIT_POLICY=PASSIVE before torch is loaded (libgomp reads it
+    then, docs/cpu-stack.md) when a launcher started several ranks on the node; a lone process
+    keeps libgomp's default; a value the user set stays."""
     code = ("import os, sys; import megagrpo; loaded = 'torch' in sys.modules; import torch; "
-            "print(os.environ['OMP_WAIT_POLICY'], loaded)")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    for user, expected in ((None, "PASSIVE False"), ("ACTIVE", "ACTIVE False")):
+            "print(os.environ.get('OMP_WAIT_POLICY', 'unset'), loaded)")
+    launch = ("OMP_WAIT_POLICY", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+              "SLURM_NTASKS_PER_NODE", "WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in launch}
+    for extra, expected in (({}, "unset False"), ({"LOCAL_WORLD_SIZE": "2"}, "PASSIVE False"),
+                            ({"LOCAL_SIZE": "2"}, "PASSIVE False"),
+                            ({"OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, "unset False"),
+                            ({"WORLD_SIZE": "4"}, "PASSIVE False"),
+                            ({"LOCAL_WORLD_SIZE": "2", "OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE False")):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                              env={**env, **({"OMP_WAIT_POLICY": user} if user else {})})
-        assert proc.stdout.split() == expected.split(), proc.stderr[-2000:]
+                              env={**env, **extra})
+        assert proc.stdout.split() == expected.split(), (extra, proc.stderr[-2000:])

@@ -13,6 +13,7 @@ from conftest import free_port, run
 # logs are. Upstream noise is filtered (megagrpo/console.py, docs/upstream-issues.md).
 QUICKSTART_CONSOLE = [
     r"megagrpo: (\S+ is up to date \(\w+ stack\)|installed torch .*|install took \d+ s \(.*\))",
+    r"megagrpo: install(ing the \w+ stack into|:) .*",  # each phase of a fresh install
     r"== [123]/3 .*",
     r"wrote \d+ train and \d+ eval prompts .*",
     r"tiny Qwen2: [\d.]+M parameters, .* -> \S+",

@@ -7,10 +7,11 @@ mismatch measured (docs/real-models.md)."""
 import json
 import math
 import os
+import sys
 
 import pytest
 import torch
-from conftest import PYTHON, run, torchrun
+from conftest import PYTHON, ROOT, run, torchrun
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -43,6 +44,16 @@ def test_converted_folder_tokenizer_and_chat_template(smollm2):
                                          add_generation_prompt=True)
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert chat.startswith("<|im_start|>system\n")  # SmolLM2's default system prompt
+    # the weights are the GGUF file's, dequantised exactly as the gguf package itself does it
+    import gguf
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from get_model import MODELS, find_gguf
+    reader = {t.name: t for t in gguf.GGUFReader(find_gguf(MODELS["smollm2-135m-instruct"])).tensors}
+    weights = load_file(os.path.join(smollm2["model"], "model.safetensors"))
+    for ours, theirs in (("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),  # Q4_1
+                         ("model.embed_tokens.weight", "token_embd.weight")):               # Q8_0
+        expected = torch.from_numpy(gguf.quants.dequantize(reader[theirs].data, reader[theirs].tensor_type).copy())
+        assert torch.equal(weights[ours], expected.float()), ours
     again = run([PYTHON, "tools/get_model.py", "--out", smollm2["model"]])  # idempotent
     assert "is already smollm2-135m-instruct in float32" in again.stdout
 

@@ -33,6 +33,10 @@ import subprocess
 import sys
 import time
 
+if not sys.stdout.isatty():
+    # transformers' GGUF reader draws a plain tqdm bar (272 frames) that no transformers setting
+    # turns off; tqdm reads this when it is imported
+    os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megagrpo.console import quiet_console  # noqa: E402
 from megagrpo.process_exit import exit_without_teardown  # noqa: E402
@@ -147,7 +151,9 @@ def convert(gguf: str, out: str, dtype: str, spec: dict) -> None:
 
     folder, name = os.path.dirname(gguf), os.path.basename(gguf)
     tokenizer = fix_tokenizer(AutoTokenizer.from_pretrained(folder, gguf_file=name), spec["eos_token"])
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
+    # dequantised in float32 (the exact values: tests/test_train_real_model.py holds them to the
+    # gguf package's own dequantisation), then rounded to `dtype`
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).to(getattr(torch, dtype))
     # the tensors are plain floats by now; transformers refuses to save a model still marked
     # as quantised, and a reader of the folder must not take it for one
     model.config.quantization_config = None
