@@ -4,7 +4,7 @@ before and after, and GRPO's wall time.
 
     python bench/objectives.py [--tiny runs/tiny] [--steps 40] [--ranks 2]
 
-Needs the quickstart's model and data (bash launch/quickstart.sh builds runs/tiny). Prints a
+Needs the tiny quickstart's model and data (TINY=1 bash launch/quickstart.sh builds runs/tiny). Prints a
 table, writes JSON. The objectives are docs/objectives.md's.
 """
 import argparse
@@ -56,7 +56,7 @@ def main():
     p.add_argument("--out", default="bench/results/objectives.json")
     args = p.parse_args()
     if not os.path.isfile(os.path.join(args.tiny, "warm", "config.json")):
-        raise SystemExit(f"{args.tiny}/warm is missing: run bash launch/quickstart.sh first (or pass --tiny)")
+        raise SystemExit(f"{args.tiny}/warm is missing: run TINY=1 bash launch/quickstart.sh first (or pass --tiny)")
     results = {}
     for i, (name, overrides) in enumerate(VARIANTS.items()):
         if args.only and name.split()[0] not in args.only:

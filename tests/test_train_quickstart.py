@@ -1,5 +1,7 @@
-"""Learning: the quickstart (tiny model, 2 CPU ranks, ZeRO-3, vLLM) raises held-out accuracy
-by at least 20 points, on a quiet console. Runs launch/quickstart.sh itself, as a user would."""
+"""Learning: the quickstart's tiny fast path (TINY=1: tiny model, 2 CPU ranks, ZeRO-3, vLLM)
+raises held-out accuracy by at least 20 points, on a quiet console. Runs launch/quickstart.sh
+itself, as a user would. (Its default, the real model, takes 10 minutes: its parts are tested in
+test_train_real_model.py, and its numbers are in docs/real-models.md.)"""
 import json
 import re
 import shutil
@@ -55,7 +57,7 @@ def test_quickstart_learns(tiny, tmp_path):
     for part in ("data", "model", "warm"):
         shutil.copytree(tiny[part], tmp_path / "tiny" / part)
     proc = run(["bash", "launch/quickstart.sh"], timeout=800,
-               env={"RUN_DIR": str(tmp_path / "tiny"), "MASTER_PORT": str(free_port())})
+               env={"TINY": "1", "RUN_DIR": str(tmp_path / "tiny"), "MASTER_PORT": str(free_port())})
     assert "== 1/3" not in proc.stdout and "== 3/3 GRPO" in proc.stdout
     results = json.load(open(tmp_path / "tiny" / "grpo" / "eval_results.json"))
     before = results["before"]["rewards/answer_match"]

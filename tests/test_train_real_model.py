@@ -18,7 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 def overrides(smollm2, out, **extra):
     values = {"model.name_or_path": smollm2["model"], "data.train_file": f"{smollm2['data']}/train.jsonl",
-              "data.eval_file": "null", "output_dir": str(out), "logging.progress_bar": "false",
+              "data.eval_file": "null", "data.max_prompt_length": 80, "output_dir": str(out),
+              "logging.progress_bar": "false",
               "grpo.max_steps": 2, "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4,
               "rollout.max_new_tokens": 24, "logging.sample_steps": 0, "checkpoint.save_steps": 0, **extra}
     return [f"{k}={v}" for k, v in values.items()]
