@@ -41,6 +41,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("trl", "megagrpo")
+QUICKSTART_TASK_ARGS = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'  # launch/quickstart.sh
 REWARD = "rewards/reasoning_gym"  # the held-out metric both sides are compared on
 
 
@@ -298,7 +299,8 @@ def main():
     p.add_argument("--model", default="runs/smollm2/model", help="HF folder (tools/get_model.py writes it when absent)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the config's model.dtype")
     p.add_argument("--task", default="chain_sum", help="reasoning-gym task (default chain_sum)")
-    p.add_argument("--task-args", default="{}", help="the task's options as JSON (tools/prepare_data.py)")
+    p.add_argument("--task-args", default=QUICKSTART_TASK_ARGS,
+                   help="the task's options as JSON (tools/prepare_data.py; default: the quickstart's)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--generations", type=int, default=8, help="G, completions per prompt")
     p.add_argument("--prompts-per-step", type=int, default=4)

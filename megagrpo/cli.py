@@ -52,7 +52,8 @@ def plan_command(argv) -> int:
     import os
 
     from megagrpo.config.schema import ConfigError
-    from megagrpo.planning import format_plan, longest_row, make_plan, memory_verdict, node_memory_bytes
+    from megagrpo.memory_fit import longest_row, memory_verdict, node_memory_bytes
+    from megagrpo.planning import format_plan, make_plan
     from megagrpo.validation import load_config
 
     p = argparse.ArgumentParser(prog="megagrpo plan",

@@ -212,7 +212,9 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int, tokens: Optional[i
     tokens = -(-(tokens or microbatch_tokens(cfg)) // plan.sp)  # this rank's slice of the row
     layers = -(-config.num_hidden_layers // plan.pp)  # a stage's share
     vocab, hidden = config.vocab_size, config.hidden_size
-    chunk = min(g.logprob_chunk_size, tokens)
+    # the head reads only the positions that predict completion tokens: its sequences' completions
+    longest = max_sequence_length(cfg)
+    chunk = min(g.logprob_chunk_size, tokens, -(-tokens // longest) * (longest - cfg.data.max_prompt_length))
     head = chunk * vocab * 4 * 3  # a chunk's logits, probabilities and their gradient (float32)
     if device == "cpu" and weight_b == 2:
         head += 2 * vocab * hidden * 4  # the float32 copy of the head and its gradient
@@ -272,23 +274,6 @@ def _all_to_all_bytes(config, tokens: int, weight_b: int) -> int:
     return 4 * tokens * (config.num_attention_heads + 2 * kv) * head_dim * weight_b
 
 
-def longest_row(cfg: Config, plan: Plan, ranks_per_node: int, node_bytes: int, what: str) -> int:
-    """The most tokens a micro-batch (one sequence alone in it, under sp its packed row) can hold
-    with the peak inside the node's budget; 0 when nothing fits."""
-    shared = ranks_per_node if what.startswith("RAM") else 1
-
-    def fits(tokens: int) -> bool:
-        return shared * peak_total(peak_memory(cfg, plan, plan.params_trained, tokens)) <= node_bytes * NODE_HEADROOM
-
-    low, high = 0, 1024
-    while fits(high) and high < 2**24:
-        low, high = high, high * 2
-    while high - low > 256:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
-
-
 REDUCTION_BUCKETS = 1.5
 """What the backward's gradient reduction holds beyond the bucket, in buckets, over 2 or more
 ZeRO partitions: DeepSpeed's coalesced reduce-scatter flattens the bucket's gradients into a
@@ -307,49 +292,6 @@ def _bucket_bytes(zero: dict, trained_params: int, weight_b: int) -> int:
     if zero.get("stage", 0) == 0 or not zero.get("contiguous_gradients", True):
         return 0
     return min(int(float(zero.get("reduce_bucket_size", 5e8))), trained_params) * weight_b
-
-
-def node_memory_bytes() -> tuple[int, str]:
-    """What a node's ranks share: this node's RAM on CPU (MemTotal), one GPU's memory per rank
-    on CUDA."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory, "per GPU"
-    with open("/proc/meminfo") as f:
-        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    return total, "RAM of this node"
-
-
-def memory_verdict(plan: Plan, cfg: Config, ranks_per_node: int, node_bytes: int, what: str) -> Optional[str]:
-    """None when the peak fits; else what does not fit and the switches that would help."""
-    shared = ranks_per_node if what.startswith("RAM") else 1
-    total = peak_total(plan.peak)
-    need = shared * total
-    if need <= node_bytes * NODE_HEADROOM:
-        return None
-    switches = []
-    if plan.zero_stage < 3 and plan.pp == 1:
-        switches.append("ZeRO-3 (deepspeed=configs/ds_zero3.json or ds_zero3_bf16.json) shards the trainer state "
-                        "over the data-parallel ranks")
-    if plan.dp > 1 or plan.zero_stage == 3:
-        switches.append("more nodes (more data-parallel ranks split the ZeRO state further)")
-    activations = plan.peak["activations"]
-    if not cfg.model.gradient_checkpointing:
-        switches.append(f"model.gradient_checkpointing=true (activations now {_gib(activations)})")
-    if activations > 0.1 * total:
-        switches.append(f"a smaller grpo.max_tokens_per_microbatch (activations {_gib(activations)} grow with it)")
-    if cfg.grpo.kl_coef > 0 and plan.peak["reference"]:
-        switches.append(f"grpo.kl_coef=0 (no reference model: {_gib(plan.peak['reference'])})")
-    if plan.peak["logprob_head"] > 0.1 * total and cfg.grpo.logprob_chunk_size > 128:
-        switches.append(f"a smaller grpo.logprob_chunk_size (the log-prob head's "
-                        f"{_gib(plan.peak['logprob_head'])} grow with it)")
-    if what.startswith("per GPU"):
-        switches.append("ZeRO offload (configs/ds_zero3_offload.json) moves optimizer state to host RAM")
-    return (f"does not fit: {shared} rank(s) x {_gib(total)} at the peak = {_gib(need)}, "
-            f"more than {NODE_HEADROOM:.0%} of the {_gib(node_bytes)} {what}. Would help: " + "; ".join(switches))
-
-
-NODE_HEADROOM = 0.9
-"""Share of a node's memory the ranks may plan to use (the rest: the OS, page cache, launcher)."""
 
 
 def _gib(n: int) -> str:

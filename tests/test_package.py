@@ -77,7 +77,7 @@ LAYERS = [
     ("rollout",),
     ("rewards",),
     ("checkpoints", "planning", "metrics", "stack"),
-    ("validation",),
+    ("validation", "memory_fit"),
     ("evaluation", "report"),
     ("train",),
     ("cli", "hostfile"),
