@@ -150,24 +150,29 @@ def test_bf16_sampler_trainer_mismatch_is_measured(smollm2, tmp_path):
 
 def test_packed_padded_fused_and_naive_agree_on_the_real_model(smollm2):
     """The log-prob pass's four paths (packed or padded rows, fused chunked head or full logits)
-    give the same log-probs, entropies and gradients on the real model (30 layers, a 49k tied
-    head), as test_policy_packing.py shows on the tiny one."""
+    in float32 against the plain path in float64, on the real model (30 layers, a 49k tied
+    head), as test_policy_packing.py holds them to each other on the tiny one. Measured: each
+    path's log-probs within 4e-5 of float64; its gradients within a relative 1e-4 (naive) and
+    2.3e-4 (fused, 7-token chunks) of float64's, parameter by parameter, the median 1.5e-5 and
+    8e-5: the rounding of float32 through 30 layers."""
     from test_policy_packing import PATHS, _batch, _model
 
     from megagrpo.policy.logprobs import completion_logprobs
 
-    model = _model(smollm2["model"])
-    batch = _batch([(3, 1), (17, 40), (5, 3), (30, 60), (9, 12)], model.config.vocab_size)
-    results = {}
-    for packing, fused in PATHS:
+    def run_path(model, packing, fused):
         model.zero_grad()
         logp, entropy = completion_logprobs(model, batch, 0.7, packing=packing, fused=fused)
-        (logp * batch.completion_mask * torch.linspace(-1, 1, logp.shape[1])).sum().backward()
-        results[(packing, fused)] = (logp * batch.completion_mask, entropy,
-                                     {n: p.grad.clone() for n, p in model.named_parameters()})
-    ref_logp, ref_entropy, ref_grads = results[(False, False)]
-    for key, (logp, entropy, grads) in results.items():
-        torch.testing.assert_close(logp, ref_logp, atol=1e-4, rtol=0, msg=str(key))
-        torch.testing.assert_close(entropy, ref_entropy, atol=1e-4, rtol=0, msg=str(key))
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, ref_grads[name], atol=1e-4, rtol=1e-3, msg=f"{key} {name}")
+        mask = batch.completion_mask.to(logp.dtype)
+        (logp * mask * torch.linspace(-1, 1, logp.shape[1], dtype=logp.dtype)).sum().backward()
+        return (logp * mask).double(), entropy.double(), {n: p.grad.double() for n, p in model.named_parameters()}
+
+    model = _model(smollm2["model"])
+    batch = _batch([(3, 1), (17, 40), (5, 3), (30, 60), (9, 12)], model.config.vocab_size)
+    ref_logp, ref_entropy, ref_grads = run_path(_model(smollm2["model"]).double(), False, False)
+    for packing, fused in PATHS:
+        logp, entropy, grads = run_path(model, packing, fused)
+        torch.testing.assert_close(logp, ref_logp, atol=1e-4, rtol=0, msg=str((packing, fused)))
+        torch.testing.assert_close(entropy, ref_entropy, atol=1e-4, rtol=0, msg=str((packing, fused)))
+        errors = {name: float((grad - ref_grads[name]).norm() / ref_grads[name].norm()) for name, grad in grads.items()}
+        worst = max(errors, key=errors.get)
+        assert errors[worst] < 5e-4, ((packing, fused), worst, errors[worst])
