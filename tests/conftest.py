@@ -39,7 +39,8 @@ def pytest_runtest_setup(item):
 # (seconds per file: docs/benchmarks.md, the suite on two workers)
 SLOWEST_FILES = ("test_checkpoints_resume.py", "test_train_quickstart.py", "test_rollout_servers.py",
                  "test_cluster_launch.py", "test_policy_parallel.py", "test_train_real_vocab.py",
-                 "test_train_real_model.py", "test_policy_model_families.py", "test_train_e2e.py", "test_train_configurations.py",
+                 "test_train_real_model.py", "test_policy_model_families.py", "test_train_e2e.py",
+                 "test_train_configurations.py",
                  "test_rollout_weight_transfer.py", "test_algorithm_objectives.py", "test_policy_lora.py",
                  "test_rollout_agent.py")
 _SHARE: list = []  # a worker's MachineShare (helpers/machine_share.py): `alone` tests run alone
