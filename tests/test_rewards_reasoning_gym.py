@@ -59,7 +59,8 @@ def test_reward_through_the_registry_with_components():
     assert scored.components["reasoning_gym/score"].tolist() == [1.0, 0.0]
 
 
-HOSTILE = ["", "a" * 1_000_000, "<answer>" * 200_000, "<think>x</think><answer>" * 50_000,
+HOSTILE = ["", "a" * 1_000_000, "Answer: 7" + "*." * 500_000, "`*" * 500_000,  # emphasis and periods to strip
+           "<answer>" * 200_000, "<think>x</think><answer>" * 50_000,
            "\\boxed{" * 100_000, "Answer: " * 200_000, "Answer: " + "9" * 100_000, "Answer: \ud800\x00",
            "<answer>__import__('os').system('touch /tmp/pwned')</answer>", "Answer: 1e999", "Answer: nan"]
 

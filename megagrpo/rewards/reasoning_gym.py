@@ -9,7 +9,8 @@ below) and hands that text, and only that text, to the task's scorer.
 A completion is hostile input (docs/data-and-rewards.md): the scorer sees the extracted text
 only, bounded in length; a scorer that raises scores 0 and says why; tasks whose scorers
 evaluate the answer as code (Python `eval`/`exec`, sympy's `parse_expr`, which calls `eval`) are
-refused by name, before any model is built.
+refused by name: by tools/prepare_data.py when it would write their rows, and here on the first
+call that meets one, before anything is scored.
 """
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ def extract_answer(completion: str, reference: str | None = None) -> str:
        Answer:" and "the answer is" too);
     4. the last non-empty line.
 
-    The span is then stripped of spaces, markdown emphasis (`*`, `` ` ``) and a closing period.
+    The span is then stripped of spaces and markdown emphasis (`*`, `` ` ``) at both ends and of
+    closing periods.
     When the task's reference answer is a number, the answer is the last number in the span
     (thousands separators dropped): "So 3 + 4 = 7." gives "7".
     """
@@ -107,11 +109,7 @@ def extract_answer(completion: str, reference: str | None = None) -> str:
         else:
             lines = [line for line in completion.splitlines() if line.strip()]
             span = lines[-1] if lines else ""
-    while True:
-        stripped = span.strip().strip("*`").rstrip(".")
-        if stripped == span:
-            break
-        span = stripped
+    span = span.lstrip(" \t\r\n*`").rstrip(" \t\r\n*`.")  # one pass each: linear on any input
     if reference is not None and _NUMBER_ANSWER.fullmatch(str(reference).strip()):
         numbers = _NUMBER_IN_TEXT.findall(span)
         if numbers:
