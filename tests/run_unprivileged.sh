@@ -30,6 +30,6 @@ if [ -n "$BUILT" ] && [ -f "$BUILT/warm/config.json" ]; then
 fi
 
 exec env -u MEGAGRPO_TEST_LAUNCH_LOG MEGAGRPO_TEST_TINY="$TINY" su "$TEST_USER" -c "cd '$(pwd)' && \
-  PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -v -rs --timeout=900 \
+  PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m pytest -v -rs --timeout=900 \
   -p no:cacheprovider tests/test_sandbox.py tests/test_sandbox_modes.py tests/test_rewards_code_adversarial.py \
   tests/test_rewards_hostile.py tests/test_evaluation.py::test_grpo_with_code_reward_and_reward_model $*"
