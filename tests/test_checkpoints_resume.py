@@ -349,3 +349,29 @@ def test_sigkill_at_random_moments_of_saves_resumes_from_the_newest_complete_che
     assert sorted(_prompts_by_step(out)) == list(range(1, 31))
     assert logs.count("done: 30 steps") == 1
     print(f"seed {seed}: killed", ", ".join(f"{tag} ({where})" for tag, where, _ in kills))
+
+
+class _RunsACommand:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/megagrpo-unpickled",))
+
+
+def test_batches_sampled_ahead_load_as_data_and_nothing_else(tmp_path):
+    """rollouts_ahead_rank*.pt is read with weights_only: the batch types come back, a pickled
+    object that would run code is refused by name (a checkpoint may come from elsewhere)."""
+    from megagrpo.checkpoints.checkpoint import load_rollouts_ahead
+    from megagrpo.config.schema import ConfigError
+    from megagrpo.policy.batch import Completion
+    from megagrpo.rollout.agent import Trajectory
+    from megagrpo.rollout.ahead import AheadBatch
+
+    path = tmp_path / "rollouts_ahead_rank0.pt"
+    batches = [AheadBatch(3, [1, 2], [[Completion([1, 2], [-0.1, -0.2], False)],
+                                      [Trajectory([3], [-1.0], True, messages=[{"role": "user", "content": "x"}])]],
+                          2, 0.5)]
+    torch.save(batches, path)
+    assert load_rollouts_ahead({"path": str(tmp_path), "dp_size": 1}, 0, 1) == batches
+    torch.save([_RunsACommand()], path)
+    with pytest.raises(ConfigError, match="rollouts_ahead_rank0.pt: not batches megagrpo saved"):
+        load_rollouts_ahead({"path": str(tmp_path), "dp_size": 1}, 0, 1)
+    assert not os.path.exists("/tmp/megagrpo-unpickled")

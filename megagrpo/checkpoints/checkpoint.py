@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import random
 import shutil
 import signal
@@ -356,7 +357,17 @@ def load_rollouts_ahead(state: dict, rank: int, max_staleness: int) -> list:
         raise ConfigError(f"{state['path']}: its batches sampled ahead (rollout.max_staleness) are saved per "
                           f"rank and resume on the layout they were sampled for (dp {state['dp_size']}); resume "
                           "with that layout")
-    batches = torch.load(path, map_location="cpu", weights_only=False)
+    # weights_only: plain data and the three types a batch holds, never arbitrary pickled objects
+    # (a checkpoint may have been copied from elsewhere)
+    from megagrpo.policy.batch import Completion
+    from megagrpo.rollout.agent import Trajectory
+    from megagrpo.rollout.ahead import AheadBatch
+    try:
+        with torch.serialization.safe_globals([AheadBatch, Completion, Trajectory]):
+            batches = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ConfigError(f"{path}: not batches megagrpo saved (it holds other objects, which are not "
+                          f"unpickled: {str(e).splitlines()[-1][:200]})") from None
     if max_staleness == 0 and batches:  # every rank samples as many batches ahead: its own file tells
         raise ConfigError(f"{state['path']} holds batches sampled ahead for the steps after it (saved with "
                           "rollout.max_staleness > 0); resume it with rollout.max_staleness > 0")
