@@ -66,12 +66,10 @@ if [ "$REAL" = 1 ]; then
   echo "== 2/3 the task: reasoning-gym's $RG_TASK ($RG_ARGS), 2000 training and 100 held-out rows"
   python tools/prepare_data.py --reasoning-gym "$RG_TASK" --task-args "$RG_ARGS" --out "$RUN_DIR/data" \
     --train-size 2000 --eval-size 100
-  # bf16 where the CPU multiplies it natively (avx512_bf16, AMX), else float32 (bf16 is 6-140x slower there)
-  if grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo || command -v nvidia-smi >/dev/null 2>&1; then
-    DTYPE_OVERRIDE=(model.dtype=bfloat16)
-  else
-    DTYPE_OVERRIDE=(model.dtype=float32)
-  fi
+  # train in the dtype get_model's `auto` chose: bf16 where it is native (a GPU, avx512_bf16, AMX),
+  # else float32 (bf16 is 6-140x slower there)
+  DTYPE_OVERRIDE=("model.dtype=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["dtype"])' \
+    "$RUN_DIR/model/megagrpo-source.json")")
 elif [ ! -f "$RUN_DIR/warm/config.json" ]; then
   echo "== 1/3 demo task ($TASK) and tiny model"
   python tools/make_demo_data.py --task "$TASK" --out "$RUN_DIR/data"

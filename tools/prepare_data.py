@@ -20,8 +20,8 @@ last the task's whole entry as JSON, which the `reasoning_gym` reward hands to t
 scorer. Train and held-out rows are one seeded sequence (reasoning-gym seeds row i with seed + i,
 so two seeds would share rows): the first --train-size rows train, the next ones are held out,
 and a held-out row that repeats a training question is dropped, so no held-out question is
-trained on. --instruction is appended to each
-prompt (default: how to state the final answer, which the reward's extraction rule reads).
+trained on. --instruction is appended to each prompt (default: how to state the final answer,
+which the reward's extraction rule reads).
 """
 import argparse
 import json

@@ -124,8 +124,12 @@ def reasoning_gym(prompts, completions, reasoning_gym=None, **_) -> Scores:
         raise ReasoningGymError("the reasoning_gym reward needs the 'reasoning_gym' field that "
                                 "tools/prepare_data.py --reasoning-gym writes in every row")
     scores, answered, reasons = [], [], []
+    entries = {}  # a group's completions share their row: its entry is parsed once
     for completion, entry_json in zip(completions, reasoning_gym):
-        entry = json.loads(entry_json) if isinstance(entry_json, str) else entry_json
+        if not isinstance(entry_json, str):
+            entry = entry_json
+        elif (entry := entries.get(entry_json)) is None:
+            entry = entries[entry_json] = json.loads(entry_json)
         task = entry["metadata"]["source_dataset"]
         answer = extract_answer(completion, entry.get("answer"))
         answered.append(1.0 if answer else 0.0)
