@@ -24,6 +24,7 @@ from megagrpo.data import load_prompts
 from megagrpo.policy.models import load_tokenizer
 from megagrpo.rollout import tools
 from megagrpo.rollout.agent import AgentLoop
+from megagrpo.rollout.generator_group import GeneratorGroup
 from megagrpo.rollout.generators import VLLMGenerator
 
 
@@ -87,7 +88,7 @@ def main():
 
     results["single-turn"] = measure(single_turn, prompts, args.num_generations, args.repeats)
     for turns in (1, 2, 4):
-        loop = AgentLoop(config(args, turns), engine, tokenizer, toolset)
+        loop = AgentLoop(config(args, turns), GeneratorGroup.of_one(engine), tokenizer, toolset)
         results[f"{turns} turns"] = measure(lambda c, n, s: loop.generate(c, n, s), prompts,
                                             args.num_generations, args.repeats, loop)
     del engine
@@ -95,7 +96,7 @@ def main():
     cold.rollout.max_model_len = max_sequence_length(base)
     cold.rollout.max_turns = 1  # an engine without prefix caching; the loop below still runs 4 turns
     engine = VLLMGenerator(cold, args.model, seed=0)
-    loop = AgentLoop(config(args, 4), engine, tokenizer, toolset)
+    loop = AgentLoop(config(args, 4), GeneratorGroup.of_one(engine), tokenizer, toolset)
     results["4 turns, no prefix cache"] = measure(lambda c, n, s: loop.generate(c, n, s), prompts,
                                                   args.num_generations, args.repeats, loop)
     toolset.close()

@@ -37,20 +37,18 @@ def worker(args) -> None:
         f"model.name_or_path={args.model}", f"data.train_file={args.prompts}", "data.eval_file=null",
         f"rollout.tensor_parallel_size={args.generator_tp}", f"rollout.max_new_tokens={args.max_new_tokens}"])
     topology = init_distributed(generator_tp=args.generator_tp)
-    group = GeneratorGroup(topology, args.generator_tp)
     clock = time.perf_counter()
     engine = VLLMGenerator(cfg, args.model, seed=0)
     build_s = time.perf_counter() - clock
+    group = GeneratorGroup(topology, engine)
     prompts, _ = load_prompts(args.prompts, load_tokenizer(args.model), 128)
     mine = prompts[topology.rank * args.num_prompts:(topology.rank + 1) * args.num_prompts]
 
-    def sample(pairs):
-        return engine.generate([p.token_ids for p, _ in pairs], n=args.num_generations, seeds=[s for _, s in pairs])
-    group.map(sample, [(p, i) for i, p in enumerate(mine[:2])])  # warm-up
+    group.generate(mine[:2], args.num_generations, list(range(2)))  # warm-up
     torch.distributed.barrier()
     tokens, clock = 0, time.perf_counter()
     for r in range(args.repeats):
-        groups = group.map(sample, [(p, r * 1000 + i) for i, p in enumerate(mine)])
+        groups = group.generate(mine, args.num_generations, [r * 1000 + i for i in range(len(mine))])
         tokens += sum(len(c.token_ids) for g in groups for c in g)
     torch.distributed.barrier()
     seconds = time.perf_counter() - clock

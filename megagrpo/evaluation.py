@@ -94,18 +94,15 @@ def perplexity(logprob_sums: list[float], token_counts: list[int]) -> float:
 
 # ---- generation and scoring ---------------------------------------------------------------------
 
-def score_prompts(stack, prompts, indices: list[int], field_names: list[str], generate,
-                  score_tokens) -> list[dict]:
-    """Records of this rank's held-out prompts (stack: stack.RolloutStack): completions,
-    rewards, reasons and the target text's log-likelihood. `generate(prompts, n, seeds,
-    greedy)` samples (the trainer's shares samples within a model group);
-    `score_tokens([(token_ids, prompt_len), ...])` gives each one's log-probs of the tail (None:
-    no perplexity). Both are called even with no prompts (a generator group pools its ranks'
-    calls), and so are the rewards: a reward model's passes are collective."""
+def score_prompts(stack, prompts, indices: list[int], field_names: list[str]) -> list[dict]:
+    """Records of this rank's held-out prompts (stack: stack.RolloutStack, started):
+    completions, rewards, reasons and the target text's log-likelihood (the generator's, on a
+    rank that generates; none elsewhere). The generator and the rewards are called even with no
+    prompts: a generator group pools its ranks' calls, and a reward model's passes are collective."""
     cfg = stack.cfg
     n, max_new_tokens = cfg.logging.eval_num_generations, cfg.rollout.max_new_tokens
-    groups = generate(prompts, n=n, seeds=[sampling_seed(cfg.grpo.seed, EVAL_STEP, i) for i in indices],
-                      greedy=n == 1)
+    groups = stack.generate(prompts, n, [sampling_seed(cfg.grpo.seed, EVAL_STEP, i) for i in indices],
+                            greedy=n == 1)
     completions = [c for group in groups for c in group]
     flat_prompts = [p for p in prompts for _ in range(n)]
     flat_texts, rewards = stack.score(flat_prompts, completions, field_names)
@@ -123,24 +120,24 @@ def score_prompts(stack, prompts, indices: list[int], field_names: list[str], ge
                   "ref_logprob": None, "ref_tokens": 0}
         if conversations is not None:
             record["trajectories"] = conversations[rows]
-        if target is not None and score_tokens is not None:
+        if target is not None and stack.topology.generates:
             target_ids = stack.tokenizer(str(target), add_special_tokens=False)["input_ids"][:max_new_tokens]
             if target_ids:
                 targets.append((record, list(prompt.token_ids) + target_ids, len(prompt.token_ids)))
         records.append(record)
-    if score_tokens is not None:
-        scored = score_tokens([(ids, start) for _, ids, start in targets])
+    scored = stack.logprobs([(ids, start) for _, ids, start in targets])
+    if scored is not None:
         for (record, ids, start), logprobs in zip(targets, scored):
             record["ref_logprob"], record["ref_tokens"] = float(sum(logprobs)), len(ids) - start
     return records
 
 
-def evaluate(stack, prompts, rank: int, size: int, generate, score_tokens, group=None) -> tuple[list[dict], dict]:
+def evaluate(stack, prompts, rank: int, size: int, group=None) -> tuple[list[dict], dict]:
     """Every held-out prompt scored, rank `rank` of `size` taking every size-th one; returns
     every rank's records (ordered) and the metrics of the module docstring."""
     indices = list(range(rank, len(prompts), size))
     field_names = sorted(prompts[0].fields) if prompts else []
-    records = score_prompts(stack, [prompts[i] for i in indices], indices, field_names, generate, score_tokens)
+    records = score_prompts(stack, [prompts[i] for i in indices], indices, field_names)
     records = gather_records(records, group)
     functions = stack.reward_functions
     metrics = summarize(records, [f.name for f in functions], stack.cfg.logging.eval_num_generations,
@@ -255,11 +252,11 @@ def _evaluate(args, merged) -> int:
     """`megagrpo eval`; `merged`: an empty folder to merge an adapter folder (args.model) into."""
     from megagrpo.checkpoints.convert import ConvertError, adapter_to_hf
     from megagrpo.cluster.distributed import init_distributed
+    from megagrpo.cluster.generator_layout import generator_layout
     from megagrpo.config.schema import ConfigError
     from megagrpo.data import DataError
     from megagrpo.metrics import MetricsLogger, quiet_library_output
     from megagrpo.rewards import RewardError
-    from megagrpo.rollout.generator_group import GeneratorGroup
     from megagrpo.stack import build_rollout_stack
     from megagrpo.validation import load_config
 
@@ -282,24 +279,21 @@ def _evaluate(args, merged) -> int:
     output = args.output or os.path.join(args.model, "eval")
     quiet_library_output()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % cfg.rollout.tensor_parallel_size:
-        print(f"megagrpo: config error: rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} (by default "
+    generator_tp = generator_layout(cfg).ranks_per_group
+    if world % generator_tp:
+        print(f"megagrpo: config error: rollout.tensor_parallel_size={generator_tp} (by default "
               f"parallel.tensor_parallel_size) does not divide this eval's {world} rank(s): launch a multiple of it "
               "or pass rollout.tensor_parallel_size=1", file=sys.stderr)
         return 2
-    topology = init_distributed(generator_tp=cfg.rollout.tensor_parallel_size)
-    # every rank evaluates its own prompts; a group shares one engine
-    group = GeneratorGroup(topology, cfg.rollout.tensor_parallel_size)
-    try:
+    topology = init_distributed(generator_tp=generator_tp)
+    try:  # every rank evaluates its own prompts; a generator group shares one engine
         stack = build_rollout_stack(cfg, training=False)
         if not stack.reward_functions and topology.is_main:
             print("megagrpo eval: no reward functions are configured, so no reward is reported (text metrics "
                   "only). Pass them with --config X.yaml (its rewards.functions) or an override, e.g. "
                   "'rewards.functions=[{name: answer_match}]'", file=sys.stderr, flush=True)
-        stack.start_generator(seed=cfg.grpo.seed + topology.generator_ranks()[0], run_once=group.run_once)
-        records, results = evaluate(stack, stack.eval_prompts, topology.rank, topology.world_size,
-                                    lambda prompts, **kw: group.generate(stack, prompts, **kw),
-                                    lambda requests: group.map(stack.generator.score, requests))
+        stack.start(topology, seed=cfg.grpo.seed + topology.generator_ranks()[0])
+        records, results = evaluate(stack, stack.eval_prompts, topology.rank, topology.world_size)
         stack.close()
     except (DataError, RewardError, ConfigError) as e:
         print(f"megagrpo: error: {e}", file=sys.stderr)

@@ -16,14 +16,12 @@ from typing import Optional
 import torch
 
 from megagrpo.cluster.distributed import all_gather_1d, all_reduce
-from megagrpo.config.schema import ConfigError, require
-
-SINKS = ("tensorboard", "jsonl", "wandb")
+from megagrpo.config.schema import SINKS, ConfigError, require
 
 
 def report_sinks(report_to) -> list[str]:
-    """logging.report_to as a list of sinks: a name or a list of names; none is no sink, all
-    every sink. Unknown names, and wandb when it is not installed, are refused here."""
+    """logging.report_to as a list of sinks (config/loading.py has written a single name as a
+    list, all and none out). Unknown names, and wandb when it is not installed, are refused here."""
     names = [report_to] if isinstance(report_to, str) else report_to
     require(isinstance(names, list) and all(isinstance(n, str) for n in names),
             f"logging.report_to: {report_to!r} must be a name or a list of names from {', '.join(SINKS)}, none, all")

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.deepspeed_json import read_deepspeed_config, zero_stage
 from megagrpo.config.schema import Config, ConfigError, max_sequence_length
@@ -113,23 +114,24 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     trained = count_trained_parameters(cfg.model.name_or_path, cfg.model.lora) if lora else local
     held = local + trained if lora else local  # a LoRA policy: the frozen base and its adapters
     weight_b, grad_b, optim_b = BYTES[cfg.model.dtype]
+    generator_tp = generator_layout(cfg).generator_tp
     bytes_per_rank = {
         "params": held * weight_b // (parts if stage >= 3 else 1),
         "grads": trained * grad_b // (parts if stage >= 2 else 1),
         "optimizer": trained * optim_b // (parts if stage >= 1 else 1),
         "reference": (local * weight_b // (parts if stage >= 3 else 1)) if cfg.grpo.kl_coef > 0 and not lora else 0,
         # vLLM's share: its tp group splits every layer, the embedding and the head by vocabulary
-        "rollout_weights": 0 if r.servers or generating else -(-total * weight_b // r.tensor_parallel_size),
+        "rollout_weights": 0 if r.servers or generating else -(-total * weight_b // generator_tp),
     }
     layout = Topology(trainers, 0, 0, tp, pp, sp)
     ranks = [(rank, place.dp_rank, place.tp_rank, place.pp_rank, place.sp_rank) for rank in range(trainers)
              for place in [layout.at(rank)]]
     plan = Plan(world_size, dp, tp, pp, stage, total, sharded, trained, bytes_per_rank, ranks, lora=lora,
-                generator_tp=r.tensor_parallel_size, servers=list(r.servers),
+                generator_tp=generator_tp, servers=list(r.servers),
                 max_staleness=r.max_staleness, generating_ranks=generating, sp=sp)
     plan.peak = peak_memory(cfg, plan, trained)
     if generating:  # a server's weights and KV cache, split over its ranks
-        shard = -(-total * weight_b // r.tensor_parallel_size)
+        shard = -(-total * weight_b // generator_tp)
         plan.generating_peak = RUNTIME_BYTES[_device()] + engine_bytes(cfg, shard)
     return plan
 

@@ -23,11 +23,12 @@ from megagrpo import evaluation
 from megagrpo.algorithm import grpo
 from megagrpo.checkpoints import checkpoint, export
 from megagrpo.cluster.distributed import all_gather_1d, init_distributed, launch_env
-from megagrpo.cluster.placement import Placement, engine_tp
+from megagrpo.cluster.generator_layout import generator_layout
+from megagrpo.cluster.placement import Placement
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.loading import to_dict
 from megagrpo.config.schema import Config, ConfigError
-from megagrpo.data import DataError, Prompt, PromptSampler, record_prompts
+from megagrpo.data import DataError, PromptSampler
 from megagrpo.metrics import (
     MemoryWatch,
     MetricsLogger,
@@ -43,14 +44,9 @@ from megagrpo.policy import build_policy
 from megagrpo.policy.batch import make_batch
 from megagrpo.process_exit import exit_without_teardown, run_rank
 from megagrpo.rewards import RewardError, component_metrics
-from megagrpo.rollout.agent import agent_metrics
-from megagrpo.rollout.ahead import RolloutsAhead, ahead_sampler
-from megagrpo.rollout.generator_group import GeneratorGroup
-from megagrpo.rollout.generators import sampling_seed
-from megagrpo.rollout.groups import SampledGroups, sample_informative_groups
 from megagrpo.rollout.serving import serve
 from megagrpo.rollout.weight_sync import sync_weights
-from megagrpo.stack import build_rollout_stack
+from megagrpo.stack import SampledGroups, build_rollout_stack
 from megagrpo.validation import load_config
 
 USER_ERRORS = (DataError, RewardError, ConfigError)  # their messages say it all: no traceback
@@ -77,15 +73,10 @@ class Trainer:
         startup.lap("policy")
         # vLLM's start-up runs five full GCs: with our objects frozen first, each takes ms, not 0.4 s
         gc.freeze()
-        # every rank builds its generator (shard); a generator group's ranks make the same calls
-        self.generator_group = GeneratorGroup(topology, engine_tp(cfg))
-        self.stack.start_generator(seed=g.seed + topology.generator_ranks()[0],
-                                   run_once=self.generator_group.run_once)
-        self.generator = self.stack.generator
+        # every rank builds its generator (shard); a generator group's ranks make the same calls;
         # rollout.max_staleness: the next steps' batches sampled while this one trains (rollout/ahead.py)
-        self.ahead = RolloutsAhead(self.sampler.next_indices, ahead_sampler(self.stack, g, topology.generates),
-                                   cfg.rollout.max_staleness, self.total_steps,
-                                   cfg.rollout.partial_rollouts) if cfg.rollout.max_staleness else None
+        self.stack.start(topology, seed=g.seed + topology.generator_ranks()[0], sampler=self.sampler,
+                         total_steps=self.total_steps)
         startup.lap("generator")
         self.metrics = MetricsLogger(cfg.output_dir, cfg.logging, topology.is_main, to_dict(cfg))
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
@@ -148,25 +139,16 @@ class Trainer:
         g = self.cfg.grpo
         clock = PhaseClock()
         # rollout (G completions or multi-turn trajectories per prompt, with the sampler's
-        # logprobs) and rewards; dynamic sampling: more rounds until the groups are informative
-        if g.dynamic_sampling:
-            sampled = sample_informative_groups(lambda r: self.sample_groups(r, clock),
-                                                self.sampler.prompts_per_rank, g.max_sampling_rounds,
-                                                self.topo.dp_group)
-        else:
-            sampled = self.sample_groups(0, clock)
-        prompt_of, completions, rewards = sampled.prompts, sampled.completions, sampled.rewards
+        # logprobs, sampled now or ahead) and rewards; dynamic sampling: more rounds until the
+        # groups are informative
+        sampled = self.stack.sample(self.step, clock)
 
         # group advantages (groups never leave their rank; batch std is global)
-        global_rewards = all_gather_1d(rewards.total, self.topo.dp_group)
-        advantages = grpo.group_advantages(rewards.total, g.num_generations, g.scale_rewards,
+        global_rewards = all_gather_1d(sampled.rewards.total, self.topo.dp_group)
+        advantages = grpo.group_advantages(sampled.rewards.total, g.num_generations, g.scale_rewards,
                                            batch_std=global_rewards.std())
         clock.lap("reward")
-
-        batch = make_batch([p.token_ids for p in prompt_of], completions, advantages,
-                           self.tokenizer.pad_token_id).to(self.device)
-        if g.mask_truncated_completions:
-            batch.completion_mask = batch.completion_mask * (~batch.truncated).unsqueeze(1).float()
+        batch = self.make_batch(sampled, advantages)
 
         # reference and old-policy logprobs, over the same micro-batches as the update
         micro_batches = self.policy.micro_batches(batch)
@@ -181,72 +163,52 @@ class Trainer:
             self.policy.mix_reference(g.ref_model_mixup_alpha)
         clock.lap("train")
 
-        if self.ahead is not None:
-            self.ahead.settle()  # every rank's batches in flight are done before the weights change
-            clock.lap("rollout_ahead")
+        # the new weights into the generator, once no batch sampled ahead is in flight
+        self.stack.settle(clock)
         self.sync_generator_weights(self.step + 1)
         clock.lap("weight_sync")
-        if self.topo.is_main and self.cfg.logging.sample_steps and (self.step + 1) % self.cfg.logging.sample_steps == 0:
-            shown = sampled.texts if self.stack.agent is None else [  # whole trajectories: turns and tool results
-                self.tokenizer.decode(c.token_ids) for c in completions[:g.num_generations]]
-            table = samples_markdown(prompt_of[0].prompt, shown[:g.num_generations],
-                                     rewards.total[:g.num_generations].tolist())
-            self.metrics.text(self.step + 1, "samples", table)
-        metrics.update(rollout_metrics(global_rewards, rewards.per_function, advantages, batch,
-                                       [rf.name for rf in self.stack.reward_functions], g.num_generations,
-                                       sum(clock.seconds.values()), self.topo.dp_group))
-        metrics.update(component_metrics(rewards, self.topo.dp_group))
-        metrics.update(sampled.metrics)
-        if self.stack.agent is not None:
-            metrics.update(agent_metrics(completions, self.stack.agent.tool_wall_seconds, self.topo.dp_group))
-        metrics.update(clock.metrics())
+        self.log_samples(sampled)
+        metrics.update(self.step_metrics(sampled, global_rewards, advantages, batch, clock))
         return {k: float(v) for k, v in metrics.items()}
 
-    def sample_groups(self, sampling_round: int, clock: PhaseClock) -> SampledGroups:
-        """The next prompts of this rank, their groups sampled and scored."""
+    def make_batch(self, sampled: SampledGroups, advantages: torch.Tensor):
+        """The step's batch on this rank's device (policy/batch.py); truncated completions masked
+        out of the loss with grpo.mask_truncated_completions."""
+        batch = make_batch([p.token_ids for p in sampled.prompts], sampled.completions, advantages,
+                           self.tokenizer.pad_token_id).to(self.device)
+        if self.cfg.grpo.mask_truncated_completions:
+            batch.completion_mask = batch.completion_mask * (~batch.truncated).unsqueeze(1).float()
+        return batch
+
+    def step_metrics(self, sampled: SampledGroups, global_rewards, advantages, batch, clock: PhaseClock) -> dict:
+        """The step's rollout, reward and time metrics (the policy's come from optimize)."""
         g = self.cfg.grpo
-        if self.ahead is not None:  # sampled on the side thread, while an earlier step trained
-            batch = self.ahead.take(self.step)
-            indices, groups = batch.indices, self.share_rollout(batch.groups)
-        else:
-            indices = self.sampler.next_indices()
-            groups = self.generate([self.prompts[i] for i in indices], n=g.num_generations,
-                                   seeds=[sampling_seed(g.seed, self.step, i, sampling_round) for i in indices])
-        record_prompts(self.cfg.output_dir, self.step + 1, indices, sampling_round, self.topo)
-        prompts = [self.prompts[i] for i in indices]
-        completions = [c for group in groups for c in group]
-        prompt_of = [p for p in prompts for _ in range(g.num_generations)]
-        clock.lap("rollout" if sampling_round == 0 else "resampling")
-        texts, rewards = self.stack.score(prompt_of, completions, prompts[0].fields)
-        clock.lap("reward" if sampling_round == 0 else "resampling")
-        return SampledGroups(prompt_of, completions, texts, rewards, g.num_generations,
-                             self.ahead.metrics() if self.ahead is not None else {})
+        metrics = rollout_metrics(global_rewards, sampled.rewards.per_function, advantages, batch,
+                                  [rf.name for rf in self.stack.reward_functions], g.num_generations,
+                                  sum(clock.seconds.values()), self.topo.dp_group)
+        metrics.update(component_metrics(sampled.rewards, self.topo.dp_group))
+        metrics.update(sampled.metrics)
+        metrics.update(clock.metrics())
+        return metrics
 
-    def generate(self, prompts: list[Prompt], n, seeds, greedy=False):
-        """Sample on the generator groups of each model group that hold its first rank (one
-        generator call, or the multi-turn loop), and share the completions with the ranks that
-        did not sample, so that every rank trains on the same tokens."""
-        groups = None
-        if self.topo.generates:
-            groups = self.generator_group.generate(self.stack, prompts, n, seeds, greedy)
-        self.generator.sleep()  # (on GPU; an engine that did not sample frees its memory too)
-        return self.share_rollout(groups)
-
-    def share_rollout(self, groups):
-        """The completions of the model group's sampling rank, on every rank of the group."""
-        if self.topo.shares_rollout:
-            box = [groups]
-            torch.distributed.broadcast_object_list(box, src=self.topo.model_group_source,
-                                                    group=self.topo.model_group)
-            groups = box[0]
-        return groups
+    def log_samples(self, sampled: SampledGroups) -> None:
+        """Every logging.sample_steps steps, the first group's completions with their rewards as
+        a table (the main rank's; with tools, whole trajectories: turns and tool results)."""
+        g, every = self.cfg.grpo, self.cfg.logging.sample_steps
+        if not (self.topo.is_main and every and (self.step + 1) % every == 0):
+            return
+        shown = sampled.texts if self.stack.agent is None else [
+            self.tokenizer.decode(c.token_ids) for c in sampled.completions[:g.num_generations]]
+        table = samples_markdown(sampled.prompts[0].prompt, shown[:g.num_generations],
+                                 sampled.rewards.total[:g.num_generations].tolist())
+        self.metrics.text(self.step + 1, "samples", table)
 
     def sync_generator_weights(self, steps_done: int) -> float:
         """Stream the policy's weights (`steps_done` steps trained) into every generator that takes
         them whole; returns seconds taken. After the first sync, LoRA sends only what it trains."""
         partial = self.generator_synced and not self.policy.trains_all_weights
         seconds = sync_weights(self.policy.full_tensors(changed_only=partial),
-                               self.generator if self.policy.holds_full_tensors else None, partial, steps_done)
+                               self.stack.generator if self.policy.holds_full_tensors else None, partial, steps_done)
         self.generator_synced = True
         return seconds
 
@@ -255,11 +217,8 @@ class Trainer:
     def evaluate(self) -> dict:
         """This rank's share of the held-out prompts through the generator, scored by the
         reward functions and the text metrics (see evaluation.py). Returns the global metrics."""
-        # only a sampling rank's generator is sure to hold the trained weights
-        score_tokens = (lambda requests: self.generator_group.map(self.generator.score, requests)) \
-            if self.topo.generates else None
         records, metrics = evaluation.evaluate(self.stack, self.stack.eval_prompts, self.topo.dp_rank,
-                                               self.topo.dp_size, self.generate, score_tokens, self.topo.dp_group)
+                                               self.topo.dp_size, self.topo.dp_group)
         if self.topo.is_main:
             evaluation.record_evaluation(self.cfg.output_dir, self.step, records, metrics)
         return metrics
@@ -280,15 +239,15 @@ class Trainer:
             self.metrics.resumed_at(self.step)  # what the killed attempt logged after it goes
             self.sampler.load_state_dict(state["sampler"])
             ahead = checkpoint.load_rollouts_ahead(state, self.topo.rank, self.cfg.rollout.max_staleness)
-            if self.ahead is not None:
-                self.ahead.load_state(ahead)
+            if self.stack.ahead is not None:
+                self.stack.ahead.load_state(ahead)
             if self.cfg.grpo.sync_ref_model:
                 self.policy.load_reference_state(checkpoint.load_reference(state, self.topo.rank))
 
     def save(self) -> None:
         reference = self.policy.reference_state() if self.cfg.grpo.sync_ref_model else None
         path = checkpoint.save(self.policy, self.ckpt_root, self.trainer_state(), self.cfg.checkpoint.keep_last,
-                               self.topo, reference, self.ahead.state() if self.ahead is not None else None)
+                               self.topo, reference, self.stack.ahead.state() if self.stack.ahead is not None else None)
         self.log(f"checkpoint saved: {path}")
 
     def export(self) -> None:
@@ -336,7 +295,7 @@ def main(argv=None) -> int:
     placement.enter_trainer_world()
     p = cfg.parallel
     topology = init_distributed(args.timeout_minutes, p.tensor_parallel_size, p.pipeline_parallel_size,
-                                engine_tp(cfg), p.sequence_parallel_size)
+                                generator_layout(cfg).ranks_per_group, p.sequence_parallel_size)
     startup.lap("distributed")
     MemoryWatch(topology.rank, planned_host_peak_gib(cfg, topology.world_size)).start()  # before an OOM kill
     # held until the ranks leave together: its vLLM engine, once collected, ends the process groups

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megagrpo.cluster.generator_layout import GeneratorLayout
 from megagrpo.cluster.layout import check_layout
 from megagrpo.config.loading import read_config
 from megagrpo.config.schema import Config
@@ -15,15 +16,16 @@ from megagrpo.rewards import check_reward_names
 from megagrpo.rollout.tools import check_tools
 
 
-def validate(cfg: Config, training: bool = True, planning: bool = False) -> None:
+def validate(cfg: Config, training: bool = True, planning: bool = False) -> GeneratorLayout:
     """Every rule, config's own first (training=False: `megagrpo eval`, which needs no reward
-    function; planning: a dry run, where data files not prepared yet are a warning)."""
+    function; planning: a dry run, where data files not prepared yet are a warning). Nothing
+    is written into the config: what a rule resolves it returns (the generator's layout)."""
     check_config(cfg, training, planning)
     check_lora(cfg)
-    cfg.logging.report_to = report_sinks(cfg.logging.report_to)
+    report_sinks(cfg.logging.report_to)
     check_reward_names(cfg.rewards.functions)
     check_tools(cfg)
-    check_layout(cfg)
+    return check_layout(cfg)
 
 
 def load_config(path: Optional[str], overrides: list[str] = (), training: bool = True,

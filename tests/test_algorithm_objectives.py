@@ -212,8 +212,9 @@ def test_objective_combinations_are_checked():
 
 
 def test_dynamic_sampling_keeps_informative_groups_and_their_details():
+    from megagrpo.algorithm.dynamic_sampling import DynamicSampling
     from megagrpo.rewards import Rewards
-    from megagrpo.rollout.groups import SampledGroups, sample_informative_groups
+    from megagrpo.stack import SampledGroups
 
     def round_of(rewards, tag):
         n = len(rewards)
@@ -222,25 +223,27 @@ def test_dynamic_sampling_keeps_informative_groups_and_their_details():
         return SampledGroups([f"{tag}p{i // 2}" for i in range(n)], [f"{tag}c{i}" for i in range(n)],
                              [f"{tag}t{i}" for i in range(n)], scored, 2)
 
+    def run(rounds_given, share, max_rounds, enabled=True):
+        rounds = DynamicSampling(share, max_rounds, enabled=enabled)
+        while rounds.wants_more():
+            rounds.add(rounds_given[rounds.count])
+        return rounds.count, *rounds.result()
+
     rounds = [round_of([1.0, 1.0, 0.0, 1.0, 0.0, 0.0], "a"), round_of([0.0, 0.0, 1.0, 0.0], "b"),
               round_of([0.5, 0.0, 0.0, 0.0], "c")]
-    calls = []
-
-    def sample_round(r):
-        calls.append(r)
-        return rounds[r]
-
-    kept = sample_informative_groups(sample_round, share=2, max_rounds=3)
-    assert calls == [0, 1]  # the second round filled the share; no third
+    count, kept, metrics = run(rounds, share=2, max_rounds=3)
+    assert count == 2  # the second round filled the share; no third
     assert kept.completions == ["ac2", "ac3", "bc2", "bc3"] and kept.prompts == ["ap1", "ap1", "bp1", "bp1"]
     assert kept.rewards.total.tolist() == [0.0, 1.0, 1.0, 0.0] and kept.rewards.per_function.shape == (4, 1)
     assert kept.rewards.components["f/x"].tolist() == [0.0, 10.0, 10.0, 0.0]
     assert kept.rewards.reasons["f"] == ["a", "a", "b", "b"]
-    assert kept.metrics == {"sampling/rounds": 2, "sampling/groups_sampled": 5.0,
-                            "sampling/groups_informative": 2.0, "sampling/groups_kept": 2.0}
-    calls.clear()
-    none = sample_informative_groups(lambda r: round_of([1.0, 1.0], "z"), share=1, max_rounds=2)
-    assert none.num_groups == 1 and none.metrics["sampling/groups_informative"] == 0  # one group, no advantage
+    assert metrics == {"sampling/rounds": 2, "sampling/groups_sampled": 5.0,
+                       "sampling/groups_informative": 2.0, "sampling/groups_kept": 2.0}
+    count, none, metrics = run([round_of([1.0, 1.0], "z")] * 2, share=1, max_rounds=2)
+    assert count == 2 and none.num_groups == 1 and metrics["sampling/groups_informative"] == 0  # no advantage
+    # without dynamic sampling: one round, taken whole (its uninformative groups too), no metrics
+    count, whole, metrics = run(rounds, share=2, max_rounds=3, enabled=False)
+    assert (count, whole.completions, metrics) == (1, rounds[0].completions, {})
 
 
 @pytest.mark.multirank

@@ -125,3 +125,28 @@ def test_every_shipped_config_validates(tiny, tmp_path):
     for path in glob.glob(f"{ROOT}/configs/*.yaml"):
         cfg = load_config(path, tiny_overrides(tiny, tmp_path, **{"rollout.tensor_parallel_size": "null"}))
         assert cfg.grpo.num_generations >= 2
+
+
+def test_validation_does_not_write_into_the_config(tiny, tmp_path):
+    """Validation checks, and returns what it resolves (the generator's layout): the config it
+    is given stays as it was loaded, whatever the layout."""
+    import copy
+
+    from megagrpo.config.loading import read_config
+    from megagrpo.validation import validate
+
+    base = tiny_overrides(tiny, tmp_path)
+    cases = [([], 1, 1), (["parallel.tensor_parallel_size=2"], 2, 2),  # the trainer's tp, by default
+             (["parallel.tensor_parallel_size=2", "rollout.engine=hf"], 1, 1),
+             (["rollout.servers=[http://node7:8000]"], 1, 1),
+             (["rollout.placement=disaggregated", "rollout.ranks=2", "rollout.tensor_parallel_size=2"], 2, 1),
+             (["grpo.importance_sampling_correction=true", "report_to=none"], 1, 1)]
+    for overrides, generator_tp, ranks_per_group in cases:
+        cfg = read_config("configs/tiny_arith.yaml", base + overrides)
+        loaded = copy.deepcopy(cfg)
+        layout = validate(cfg)
+        assert cfg == loaded, overrides
+        assert (layout.generator_tp, layout.ranks_per_group) == (generator_tp, ranks_per_group), overrides
+        assert cfg.rollout.tensor_parallel_size == loaded.rollout.tensor_parallel_size
+    # the shorthands are written out while the config is read, not by validation
+    assert (cfg.grpo.importance_sampling_correction, cfg.logging.report_to) == ("token_truncate", [])

@@ -108,6 +108,7 @@ def test_a_trajectory_carries_each_turns_weight_versions(tiny, tmp_path, monkeyp
     version, a tool result's tokens the version of the turn they answer, and the trajectory's
     versions line up with its tokens."""
     from megagrpo.rollout.agent import AgentLoop
+    from megagrpo.rollout.generator_group import GeneratorGroup
 
     monkeypatch.syspath_prepend(os.path.join(ROOT, "tests", "helpers"))
     toolset = _function_toolset(tmp_path, max_turns=2, tools=f"[{HELPERS}:lookup]")
@@ -116,7 +117,8 @@ def test_a_trajectory_carries_each_turns_weight_versions(tiny, tmp_path, monkeyp
                              "deepspeed={}"], training=False)
     tokenizer = AutoTokenizer.from_pretrained(tiny["warm"])
     call = '<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>'
-    loop = AgentLoop(cfg, _ScriptedTurns(tokenizer, [(call, 3), ("the answer", 4)]), tokenizer, toolset)
+    loop = AgentLoop(cfg, GeneratorGroup.of_one(_ScriptedTurns(tokenizer, [(call, 3), ("the answer", 4)])),
+                     tokenizer, toolset)
     prompt = Prompt("x", tokenizer("x")["input_ids"], messages=[{"role": "user", "content": "x"}])
     [[trajectory]] = loop.generate([prompt], n=1, seeds=[0])
     assert trajectory.turns == 2 and trajectory.tool_calls == 1

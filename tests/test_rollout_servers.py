@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megagrpo.checkpoints.checkpoint import load_rollouts_ahead
+from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.config.schema import ConfigError
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
@@ -291,7 +292,7 @@ def test_server_settings_refused_with_the_fix(tiny, tmp_path):
 
     base = tiny_overrides(tiny, tmp_path)
     cfg = load_config("configs/tiny_arith.yaml", base + ["rollout.servers=[http://node7:8000]"])
-    assert cfg.rollout.servers == ["http://node7:8000"] and cfg.rollout.tensor_parallel_size == 1
+    assert cfg.rollout.servers == ["http://node7:8000"] and generator_layout(cfg).ranks_per_group == 1
     plan = make_plan(cfg, 2)
     assert plan.bytes_per_rank["rollout_weights"] == 0 and plan.peak["rollout"] == 0  # the servers' memory
     assert "generation on 1 vLLM server(s) apart from the job, max staleness 0" in format_plan(plan)
@@ -371,7 +372,7 @@ def test_a_server_that_cannot_start_stops_its_generating_rank_naming_its_log(tin
     with pytest.raises(ServingError, match=r"generator server 0 \(http://[\d.]+:\d+\) exited with 1; its log: "
                                            rf"{tmp_path}/vllm_server_0.log:\n\.\.\. .*ValueError: No available memory "
                                            r"for the cache blocks(.|\n)*Engine core initialization failed"):
-        serve(cfg, Placement(rank=2, world_size=3, generating_ranks=1, server_tp=1))
+        serve(cfg, Placement(rank=2, world_size=3, generating_ranks=1, generator_tp=1))
 
 
 def test_disaggregated_settings_refused_with_the_fix(tiny, tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from conftest import PYTHON, run, torchrun
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.config.schema import ConfigError
 from megagrpo.validation import load_config
 
@@ -75,13 +76,14 @@ def test_tp2_engines_on_4_ranks_equal_one_tp1_engine(tiny, tmp_path):
 def test_refused_generator_layouts(tiny, tmp_path, monkeypatch):
     base = [f"model.name_or_path={tiny['warm']}", f"data.train_file={os.path.join(tiny['data'], 'train.jsonl')}",
             "data.eval_file=null", f"output_dir={tmp_path}"]
-    assert load_config("configs/tiny_arith.yaml", base).rollout.tensor_parallel_size == 1
-    assert load_config("configs/tiny_arith.yaml", base + ["parallel.tensor_parallel_size=2"]
-                       ).rollout.tensor_parallel_size == 2  # the trainer's tp by default
+    def generator_tp(overrides):
+        return generator_layout(load_config("configs/tiny_arith.yaml", overrides)).generator_tp
+
+    assert generator_tp(base) == 1
+    assert generator_tp(base + ["parallel.tensor_parallel_size=2"]) == 2  # the trainer's tp by default
     pipeline = base + ["parallel.pipeline_parallel_size=2", "deepspeed=configs/ds_zero1.json"]
-    assert load_config("configs/tiny_arith.yaml", pipeline).rollout.tensor_parallel_size == 1
-    assert load_config("configs/tiny_arith.yaml", base + ["rollout.engine=hf", "parallel.tensor_parallel_size=2"]
-                       ).rollout.tensor_parallel_size == 1
+    assert generator_tp(pipeline) == 1
+    assert generator_tp(base + ["rollout.engine=hf", "parallel.tensor_parallel_size=2"]) == 1
     cases = [
         (pipeline + ["rollout.tensor_parallel_size=2"], r"rollout.tensor_parallel_size=2 with "
          r"parallel.pipeline_parallel_size=2: under pipeline parallelism only the first stage"),

@@ -1,6 +1,6 @@
 """The parallel layout's rules, checked before anything is built or launched: what DeepSpeed, the
 model and this version can run, each refusal naming the fix. The generator's own rules live in
-placement.py; this calls them."""
+generator_layout.py; this calls them."""
 from __future__ import annotations
 
 import json
@@ -8,15 +8,21 @@ import os
 
 import torch
 
-from megagrpo.cluster.placement import check_disaggregated, check_generator_layout
+from megagrpo.cluster.generator_layout import (
+    GeneratorLayout,
+    check_disaggregated,
+    check_generator_layout,
+    generator_layout,
+)
 from megagrpo.config.deepspeed_json import zero_stage
 from megagrpo.config.schema import Config, max_sequence_length, require
 
 PIPELINE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def check_layout(cfg: Config) -> None:
-    """Layouts DeepSpeed or the model cannot run are refused here, before anything is built."""
+def check_layout(cfg: Config) -> GeneratorLayout:
+    """Layouts DeepSpeed or the model cannot run are refused here, before anything is built;
+    returns the generator's layout."""
     p = cfg.parallel
     tp, pp, sp = p.tensor_parallel_size, p.pipeline_parallel_size, p.sequence_parallel_size
     require(tp >= 1, f"parallel.tensor_parallel_size: {tp} must be >= 1")
@@ -59,8 +65,9 @@ def check_layout(cfg: Config) -> None:
         require(pp == 1 and zero_stage(cfg.deepspeed) in (0, 3), "model.tiled_mlp=true runs with ZeRO stage 0 "
                 "or 3 and no pipeline (ZeRO 1-2 would reduce a gradient once per tile): use "
                 "configs/ds_zero3.json, or model.tiled_mlp=false")
-    check_generator_layout(cfg, world)
+    layout = check_generator_layout(cfg, world)
     check_kv_cache(cfg)
+    return layout
 
 
 def check_sequence_parallel(cfg: Config, heads: int, kv_heads: int) -> None:
@@ -94,7 +101,7 @@ def check_kv_cache(cfg: Config) -> None:
         config = json.load(f)
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = -(-config.get("num_key_value_heads", heads) // (r.tensor_parallel_size or 1))
+    kv_heads = -(-config.get("num_key_value_heads", heads) // generator_layout(cfg).generator_tp)
     per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * (4 if cfg.model.dtype == "float32" else 2)
     holds, need = int(r.cpu_kv_cache_gb * 2**30) // per_token, max_sequence_length(cfg)
     require(need <= holds, f"rollout.cpu_kv_cache_gb={r.cpu_kv_cache_gb} holds {holds} tokens of this model's KV "

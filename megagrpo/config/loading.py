@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from megagrpo.config.aliases import ALIASES, RENAMED
-from megagrpo.config.schema import Config, ConfigError
+from megagrpo.config.schema import SINKS, Config, ConfigError
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -186,7 +186,23 @@ def read_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     for text in overrides:
         _set_dotted(raw, *_canonical(*parse_override(text)))
     _apply_renames(raw)
-    return _build(Config, raw, "")
+    cfg = _build(Config, raw, "")
+    _expand_shorthands(cfg)
+    return cfg
+
+
+def _expand_shorthands(cfg: Config) -> None:
+    """The values that stand for others, written out as they are meant, once, while the config
+    is built (validation then only checks): importance_sampling_correction true/false (TRL's
+    switch) as token_truncate/none; logging.report_to's single name as a list of one, `all` as
+    every sink, `none` as none."""
+    g, logging = cfg.grpo, cfg.logging
+    if isinstance(g.importance_sampling_correction, bool):
+        g.importance_sampling_correction = "token_truncate" if g.importance_sampling_correction else "none"
+    names = [logging.report_to] if isinstance(logging.report_to, str) else logging.report_to
+    if isinstance(names, list) and all(isinstance(n, str) for n in names):  # anything else is refused later
+        names = list(SINKS) if "all" in names else names
+        logging.report_to = [n for n in dict.fromkeys(names) if n != "none"]
 
 
 def resolve_dotted(name: str, what: str, error: type[Exception] = ConfigError):

@@ -17,6 +17,9 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+SINKS = ("tensorboard", "jsonl", "wandb")  # where logging.report_to can send metrics
+
+
 @dataclass
 class LoraConfig:
     """LoRA adapters on the frozen base model, built with peft (docs/lora.md)."""

@@ -102,10 +102,7 @@ def check_config(cfg: Config, training: bool = True, planning: bool = False) -> 
 
 
 def check_objective(g) -> None:
-    """The objective's options fit together (docs/objectives.md); true/false for the sampler
-    correction become token_truncate/none."""
-    if g.importance_sampling_correction is True or g.importance_sampling_correction is False:
-        g.importance_sampling_correction = "token_truncate" if g.importance_sampling_correction else "none"
+    """The objective's options fit together (docs/objectives.md)."""
     require(g.importance_sampling_level == "token" or g.loss_type in ("grpo", "sapo"),
             f"grpo.importance_sampling_level: sequence with loss_type {g.loss_type}, which sums per-token "
             "terms and so weights each sequence by its length instead of optimising GSPO's per-sequence "

@@ -87,12 +87,13 @@ def turn_seed(trajectory_seed: int, turn: int) -> int:
 class AgentLoop:
     """Samples a step's trajectories through the generator, with tools between turns."""
 
-    def __init__(self, cfg, generator, tokenizer, toolset: Toolset, run_once=None):
-        """run_once(fn): fn() on one rank of the generator group, its result on all of them
-        (rollout/generator_group.py); the tools of a turn run through it."""
+    def __init__(self, cfg, generator_group, tokenizer, toolset: Toolset):
+        """generator_group (rollout/generator_group.py): its generator samples the turns, and
+        the tools of a turn run once in it (group.run_once), their results shared, so that the
+        group's ranks send their engine the same prompts."""
         r = cfg.rollout
-        self.run_once = run_once or (lambda fn: fn())
-        self.generator, self.tokenizer, self.toolset = generator, tokenizer, toolset
+        self.group, self.generator = generator_group, generator_group.generator
+        self.tokenizer, self.toolset = tokenizer, toolset
         self.max_turns, self.max_new_tokens = r.max_turns, r.max_new_tokens
         self.max_len = max_sequence_length(cfg)
         self.parse = resolve_parser(r.tool_call_parser)
@@ -162,7 +163,7 @@ class AgentLoop:
 
     def _run_tools(self, live: list["_Running"]) -> None:
         """Run the last turn's calls of every live trajectory, and insert their results."""
-        results = self.run_once(lambda: self.runner.run([(run.calls, run.environment) for run in live]))
+        results = self.group.run_once(lambda: self.runner.run([(run.calls, run.environment) for run in live]))
         for run, turn_results in zip(live, results):
             t = run.trajectory
             t.tool_calls += len(turn_results)

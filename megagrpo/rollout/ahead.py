@@ -12,8 +12,8 @@ Which prompts and seeds a step gets does not change: the sampler draws each step
 order, and a prompt's seeds are those of its step (generators.sampling_seed). The batches
 sampled ahead at a checkpoint are saved with it, so a resumed run trains on the same tokens.
 
-    ahead = RolloutsAhead(sampler.next_indices, ahead_sampler(stack, cfg.grpo, generates), max_staleness=1,
-                          last_step=total_steps)
+    ahead = RolloutsAhead(sampler.next_indices, sample, max_staleness=1, last_step=total_steps)
+                                # sample(step, indices): the rollout stack's, on the side thread
     batch = ahead.take(step)    # this step's batch; starts sampling the steps up to step + k
     ...train...
     ahead.settle()              # nothing in flight on any rank: the weights may change now
@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-
-from megagrpo.rollout.generators import sampling_seed
 
 
 @dataclass
@@ -114,15 +112,3 @@ class RolloutsAhead:
             done = Future()
             done.set_result(batch)
             self.batches[batch.step] = done
-
-
-def ahead_sampler(stack, grpo, generates: bool) -> Callable[[int, list], list]:
-    """sample(step, indices) for RolloutsAhead: a later step's groups through the rollout stack,
-    with that step's seeds; None on a rank that does not sample (its model group's sampling
-    rank shares them when the step comes). No collectives: it runs on the side thread."""
-    def sample(step: int, indices: list) -> list:
-        if not generates:
-            return None
-        return stack.generate([stack.prompts[i] for i in indices], n=grpo.num_generations,
-                              seeds=[sampling_seed(grpo.seed, step, i, 0) for i in indices])
-    return sample

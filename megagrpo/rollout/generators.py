@@ -2,14 +2,15 @@
 
 Both have the same interface:
     generate(prompt_ids, n, seeds, greedy=False, max_tokens=None) -> per prompt, n Completions
-    score(requests) -> per (token_ids, prompt_len), the log-probs of token_ids[prompt_len:]
+    logprobs(requests) -> per (token_ids, prompt_len), the log-probs of token_ids[prompt_len:]
     load_weights(named_tensors, partial=False, step=0)   # (HF name, tensor) stream; no restart, no disk
     sleep() / wake_up(tags)       # free accelerator memory while the trainer runs
 
 `VLLMGenerator` runs vLLM inside this training process (external_launcher executor, created
 after the job's process group), sharded over rollout.tensor_parallel_size consecutive ranks
-(rollout/generator_group.py: how those ranks call it). `HFGenerator` runs transformers' generate on its own copy of the
-model: the fallback, and the correctness reference for the vLLM path.
+(rollout/generator_group.py: how those ranks call it; rollout/vllm_settings.py: its
+settings). `HFGenerator` runs transformers' generate on its own copy of the model: the
+fallback, and the correctness reference for the vLLM path.
 Sampler logprobs are log-softmax(logits / temperature) of the sampled token, as the trainer
 computes them (vLLM's processed_logprobs).
 """
@@ -21,10 +22,12 @@ from typing import Iterable
 
 import torch
 
-from megagrpo.config.schema import Config, max_sequence_length
+from megagrpo.cluster.generator_layout import generator_layout
+from megagrpo.config.schema import Config
 from megagrpo.console import on_terminal
 from megagrpo.policy.batch import Completion
 from megagrpo.rollout.vllm_models import refresh_tied_lm_head, skip_input_embedding_prepack
+from megagrpo.rollout.vllm_settings import vllm_settings
 
 
 def sampling_seed(seed: int, step: int, prompt_index: int, sampling_round: int = 0) -> int:
@@ -56,30 +59,16 @@ class VLLMGenerator:
         self.cfg = r
         self.asleep: set[str] = set()  # what vLLM has released: "weights", "kv_cache"
         self.can_sleep = r.sleep and _on_gpu()
-        kwargs = {}
         if not _on_gpu():
-            # On CPU vLLM sizes its KV cache as a share of RAM minus this process's RSS, which
-            # is fragile next to a trainer; reserve a fixed size instead.
-            kwargs["kv_cache_memory_bytes"] = int(r.cpu_kv_cache_gb * 2**30)
-            # A seeded request whose prompt is prefilled in chunks fails on CPU ("CPU Generator
-            # does not use offset", vllm 0.32): prefill whole prompts (docs/upstream-issues.md).
-            kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(4096, r.max_model_len or max_sequence_length(cfg))
-            # The engine runs eager on CPU (enforce_eager below), but vLLM torch.compiles one
-            # helper on every platform, the sampled tokens' ranks (batched_count_greater_than,
-            # with Inductor on CPU): 4 s at the first rollout of every process and 1 s again at
-            # each new batch size, for what runs eagerly in 2 ms. So nothing in this process is
+            # The engine runs eager on CPU (vllm_settings), but vLLM torch.compiles one helper
+            # on every platform, the sampled tokens' ranks (batched_count_greater_than, with
+            # Inductor on CPU): 4 s at the first rollout of every process and 1 s again at each
+            # new batch size, for what runs eagerly in 2 ms. So nothing in this process is
             # compiled (torch's own switch; megagrpo compiles nothing; docs/upstream-issues.md).
             torch._dynamo.config.disable = True
-        self.llm = LLM(
-            model=model_path, dtype=cfg.model.dtype, seed=seed,
-            distributed_executor_backend="external_launcher", tensor_parallel_size=r.tensor_parallel_size or 1,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            max_model_len=r.max_model_len or max_sequence_length(cfg),
-            logprobs_mode="processed_logprobs", enable_sleep_mode=self.can_sleep,
-            # multi-turn rollouts send each trajectory's growing prefix again every turn
-            enforce_eager=not _on_gpu(), enable_prefix_caching=r.max_turns > 1,
-            use_tqdm_on_load=on_terminal(), **kwargs)  # its loading bar, on a terminal only
+        settings = vllm_settings(cfg, model_path, seed, generator_layout(cfg).generator_tp, _on_gpu())
+        self.llm = LLM(**settings, distributed_executor_backend="external_launcher", enable_sleep_mode=self.can_sleep,
+                       use_tqdm_on_load=on_terminal())  # its loading bar, on a terminal only
         if not _on_gpu():
             self.llm.collective_rpc(_input_embeddings_skip_gemm_prepack)
         tied = bool(getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False))
@@ -106,7 +95,7 @@ class VLLMGenerator:
                             truncated=c.finish_reason == "length")
                  for c in out.outputs] for out in outputs]
 
-    def score(self, requests: list[tuple[list[int], int]]) -> list[list[float]]:
+    def logprobs(self, requests: list[tuple[list[int], int]]) -> list[list[float]]:
         """Per (token_ids, prompt_len): the log-probs of token_ids[prompt_len:] given what
         precedes them (prompt_logprobs), all in one engine call."""
         from vllm import SamplingParams
@@ -239,7 +228,7 @@ class HFGenerator:
         return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 
     @torch.no_grad()
-    def score(self, requests: list[tuple[list[int], int]]) -> list[list[float]]:
+    def logprobs(self, requests: list[tuple[list[int], int]]) -> list[list[float]]:
         """Per (token_ids, prompt_len): the log-probs of token_ids[prompt_len:] given what precedes them."""
         scores = []
         for token_ids, prompt_len in requests:

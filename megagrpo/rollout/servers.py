@@ -224,7 +224,7 @@ class ServerGenerator:
                                truncated=c["finish_reason"] == "length") for c in choices]
         return list(self.pool.map(sample, range(len(prompt_ids))))
 
-    def score(self, requests: list[tuple[list[int], int]]) -> list[list[float]]:
+    def logprobs(self, requests: list[tuple[list[int], int]]) -> list[list[float]]:
         """Per (token_ids, prompt_len): the log-probs of token_ids[prompt_len:] given what
         precedes them (the servers' prompt_logprobs)."""
         def one(i: int) -> list[float]:

@@ -34,7 +34,8 @@ from megagrpo.cluster.placement import (
     server_key,
     server_urls,
 )
-from megagrpo.config.schema import Config, max_sequence_length
+from megagrpo.config.schema import Config
+from megagrpo.rollout.vllm_settings import serve_flags, vllm_settings
 
 # the launch's variables, which the server's own processes must not read as theirs
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -47,24 +48,16 @@ class ServingError(RuntimeError):
 
 
 def server_command(cfg: Config, placement: Placement, host: str, port: int) -> list[str]:
-    """`vllm serve` of the policy with the co-located engine's settings (rollout/generators.py)."""
-    r = cfg.rollout
-    max_len = r.max_model_len or max_sequence_length(cfg)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model.name_or_path,
-           "--host", host, "--port", str(port), "--dtype", cfg.model.dtype, "--seed", str(cfg.grpo.seed),
-           "--tensor-parallel-size", str(placement.server_tp), "--max-model-len", str(max_len),
-           "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", json.dumps({"backend": "gloo"}),
+    """`vllm serve` of the policy with the co-located engine's settings (rollout/vllm_settings.py)."""
+    settings = vllm_settings(cfg, cfg.model.name_or_path, cfg.grpo.seed, placement.generator_tp,
+                             torch.cuda.is_available())
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *serve_flags(settings),
+           "--host", host, "--port", str(port), "--weight-transfer-config", json.dumps({"backend": "gloo"}),
            "--generation-config", "vllm",  # sampling settings from the request only, none from the model folder
-           "--enable-prefix-caching" if r.max_turns > 1 else "--no-enable-prefix-caching",
            "--shutdown-timeout", "20",  # (0 force-kills CPU tp workers, leaking their shared memory)
            "--disable-uvicorn-access-log"]
-    if r.partial_rollouts:  # vLLM's token route, which gives each token's weight version
+    if cfg.rollout.partial_rollouts:  # vLLM's token route, which gives each token's weight version
         cmd += ["--enable-scale-out"]
-    if torch.cuda.is_available():
-        cmd += ["--gpu-memory-utilization", str(r.gpu_memory_utilization)]
-    else:  # as VLLMGenerator on CPU (the reasons are there)
-        cmd += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(r.cpu_kv_cache_gb * 2**30)),
-                "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(4096, max_len))]
     return cmd
 
 
@@ -73,7 +66,7 @@ def server_env(placement: Placement) -> dict:
     routes on, and its block's devices (GPU) or cores (CPU tp: one share per worker)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(LAUNCH_PREFIXES)}
     env["VLLM_SERVER_DEV_MODE"] = "1"
-    tp, local_rank = placement.server_tp, int(os.environ.get("LOCAL_RANK", "0"))
+    tp, local_rank = placement.generator_tp, int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         devices = visible.split(",") if visible else [str(d) for d in range(torch.cuda.device_count())]
@@ -97,9 +90,9 @@ def check_block(placement: Placement) -> None:
     """A server's ranks must be on one node (it runs there, on their devices)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_size = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 0)
-    if local_size and local_rank + placement.server_tp > local_size:
+    if local_size and local_rank + placement.generator_tp > local_size:
         raise ServingError(f"generator server {placement.server_index} (launch ranks {placement.rank}-"
-                           f"{placement.rank + placement.server_tp - 1}) would span two nodes: its node runs "
+                           f"{placement.rank + placement.generator_tp - 1}) would span two nodes: its node runs "
                            f"{local_size} ranks. Choose rollout.ranks and rollout.tensor_parallel_size so that "
                            "each server's ranks lie on one node")
 
@@ -134,7 +127,7 @@ def serve(cfg: Config, placement: Placement, log=lambda line: print(f"[megagrpo]
                 time.sleep(1)
             store.set(server_key(index), url)
             log(f"generator server {index} serving at {url} (launch ranks {placement.rank}-"
-                f"{placement.rank + placement.server_tp - 1}; log {log_path})")
+                f"{placement.rank + placement.generator_tp - 1}; log {log_path})")
         while True:
             if process is not None and process.poll() is not None:
                 raise ServingError(f"generator server {placement.server_index} exited with {process.returncode} "

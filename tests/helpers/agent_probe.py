@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import agent_tools
 
 from megagrpo.cluster.distributed import init_distributed
+from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.policy.batch import make_batch
 from megagrpo.process_exit import exit_without_teardown
 from megagrpo.rollout.generators import sampling_seed
@@ -30,7 +31,7 @@ def main():
     args, steps = parse_args(), int(os.environ.get("PROBE_STEPS", "1"))
     cfg = load_config(args.config, args.overrides)
     topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size,
-                                generator_tp=cfg.rollout.tensor_parallel_size)
+                                generator_tp=generator_layout(cfg).ranks_per_group)
     trainer = Trainer(cfg, topology)
     trainer.sync_generator_weights(trainer.step)
     metrics = []
@@ -38,7 +39,7 @@ def main():
         metrics.append(trainer.train_step())
         trainer.step += 1
 
-    calls, generate = [], trainer.generator.generate
+    calls, generate = [], trainer.stack.generator.generate
 
     def recording_generate(prompt_ids, n, seeds, greedy=False, max_tokens=None):
         out = generate(prompt_ids, n=n, seeds=seeds, greedy=greedy, max_tokens=max_tokens)
@@ -46,12 +47,12 @@ def main():
                                                          for c in group] for group in out]})
         return out
 
-    trainer.generator.generate = recording_generate
+    trainer.stack.generator.generate = recording_generate
     created_before, closed_before = agent_tools.NumberGame.created, agent_tools.NumberGame.closed_count
     indices = trainer.sampler.next_indices()
     prompts = [trainer.prompts[i] for i in indices]
     n = cfg.grpo.num_generations
-    groups = trainer.generate(prompts, n=n, seeds=[sampling_seed(cfg.grpo.seed, trainer.step, i) for i in indices])
+    groups = trainer.stack.generate(prompts, n, [sampling_seed(cfg.grpo.seed, trainer.step, i) for i in indices])
     trajectories = [t for group in groups for t in group]
     batch = make_batch([p.token_ids for p in prompts for _ in range(n)], trajectories,
                        torch.zeros(len(trajectories)), trainer.tokenizer.pad_token_id)

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megagrpo.cluster.distributed import init_distributed
+from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.dtypes import DTYPES
 from megagrpo.policy.batch import Completion, make_batch
 from megagrpo.policy.logprobs import completion_logprobs, install_logprob_head
@@ -50,7 +51,7 @@ def main():
     args = parse_args()
     cfg = load_config(args.config, args.overrides)
     topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size,
-                                generator_tp=cfg.rollout.tensor_parallel_size)
+                                generator_tp=generator_layout(cfg).ranks_per_group)
     trainer = Trainer(cfg, topology)
     policy = trainer.policy.engine
     prompt = trainer.prompts[0].token_ids
@@ -79,11 +80,11 @@ def main():
         metrics = trainer.train_step()  # ends with the sync of the adapted layers only
         trainer.step += 1
         row = {"grad_norm": metrics["grad_norm"], "trainer": trainer_logprobs(),
-               "engine": trainer.generator.score([(prompt + completion, len(prompt))])[0],
+               "engine": trainer.stack.generator.logprobs([(prompt + completion, len(prompt))])[0],
                "reference": trainer_logprobs(reference=True),
                "sent_changed_only": sorted(n for n, _ in trainer.policy.full_tensors(changed_only=True))}
-        sync_weights(trainer.policy.full_tensors(), trainer.generator)
-        row["engine_full_sync"] = trainer.generator.score([(prompt + completion, len(prompt))])[0]
+        sync_weights(trainer.policy.full_tensors(), trainer.stack.generator)
+        row["engine_full_sync"] = trainer.stack.generator.logprobs([(prompt + completion, len(prompt))])[0]
         result["steps"].append(row)
     result["sent_full"] = sorted(n for n, _ in trainer.policy.full_tensors())
     frozen_after = whole_parameters(policy.module, trained=False)

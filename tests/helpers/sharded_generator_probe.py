@@ -77,10 +77,10 @@ def main():
     sequence = prompts[0] + prompts[1]
     other = load_file(os.path.join(args.other_model, "model.safetensors"))
     generator.load_weights(iter(other.items()))
-    result["other_logprobs"] = generator.score([(sequence, len(prompts[0]))])[0]
+    result["other_logprobs"] = generator.logprobs([(sequence, len(prompts[0]))])[0]
     original = load_file(os.path.join(args.model, "model.safetensors"))
     generator.load_weights(((name, original[name]) for name in PERTURBED), partial=True)
-    result["mixed_logprobs"] = generator.score([(sequence, len(prompts[0]))])[0]
+    result["mixed_logprobs"] = generator.logprobs([(sequence, len(prompts[0]))])[0]
     result["sequence"], result["prompt_len"], result["perturbed"] = sequence, len(prompts[0]), PERTURBED
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"sharded_rank{topology.rank}.json"), "w") as f:

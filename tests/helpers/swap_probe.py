@@ -9,6 +9,7 @@ import os
 import torch
 
 from megagrpo.cluster.distributed import init_distributed
+from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.policy.batch import Completion, make_batch
 from megagrpo.policy.logprobs import completion_logprobs
 from megagrpo.process_exit import exit_without_teardown
@@ -24,7 +25,7 @@ def main():
     args = parse_args()  # the trainer's argparse parser: --config, overrides, --local_rank/--local-rank
     cfg = load_config(args.config, args.overrides)
     topology = init_distributed(tp_size=cfg.parallel.tensor_parallel_size,
-                                generator_tp=cfg.rollout.tensor_parallel_size)
+                                generator_tp=generator_layout(cfg).ranks_per_group)
     trainer = Trainer(cfg, topology)
     prompt = trainer.prompts[0].token_ids
     completion = trainer.tokenizer(COMPLETION_TEXT, add_special_tokens=False)["input_ids"]
@@ -39,10 +40,10 @@ def main():
 
     trainer.sync_generator_weights(trainer.step)
     result = {"completion_text": COMPLETION_TEXT, "completion": completion,
-              "engine_before": trainer.generator.score([(prompt + completion, len(prompt))])[0],
+              "engine_before": trainer.stack.generator.logprobs([(prompt + completion, len(prompt))])[0],
               "trainer_before": trainer_logprobs()}
     metrics = trainer.train_step()
-    result.update(engine_after=trainer.generator.score([(prompt + completion, len(prompt))])[0],
+    result.update(engine_after=trainer.stack.generator.logprobs([(prompt + completion, len(prompt))])[0],
                   trainer_after=trainer_logprobs(), grad_norm=metrics["grad_norm"])
     os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, f"swap_rank{topology.rank}.json"), "w") as f:
