@@ -256,8 +256,9 @@ def _evaluate(args, merged) -> int:
     from megagrpo.checkpoints.convert import ConvertError, adapter_to_hf
     from megagrpo.cluster.distributed import init_distributed
     from megagrpo.config.schema import ConfigError
+    from megagrpo.console import quiet_library_output
     from megagrpo.data import DataError
-    from megagrpo.metrics import MetricsLogger, quiet_library_output
+    from megagrpo.metrics import MetricsLogger
     from megagrpo.rewards import RewardError
     from megagrpo.rollout.generator_group import GeneratorGroup
     from megagrpo.stack import build_rollout_stack

@@ -86,7 +86,7 @@ def count_parameters(model_path: str) -> tuple[int, int]:
 
 def planned_host_peak_gib(cfg: Config, world_size: int) -> Optional[float]:
     """The plan's peak per rank in GiB where it is host memory (no CUDA), for the memory watch
-    (metrics.MemoryWatch); None on GPUs or where the planner cannot read the config."""
+    (monitoring.MemoryWatch); None on GPUs or where the planner cannot read the config."""
     if torch.cuda.is_available():
         return None
     try:

@@ -27,17 +27,10 @@ from megagrpo.cluster.placement import Placement, engine_tp
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.loading import to_dict
 from megagrpo.config.schema import Config, ConfigError
+from megagrpo.console import quiet_library_output
 from megagrpo.data import DataError, Prompt, PromptSampler, record_prompts
-from megagrpo.metrics import (
-    MemoryWatch,
-    MetricsLogger,
-    PhaseClock,
-    Progress,
-    StartupTimeline,
-    quiet_library_output,
-    rollout_metrics,
-    samples_markdown,
-)
+from megagrpo.metrics import MetricsLogger, rollout_metrics, samples_markdown
+from megagrpo.monitoring import MemoryWatch, PhaseClock, Progress, StartupTimeline
 from megagrpo.planning import format_plan, make_plan, planned_host_peak_gib
 from megagrpo.policy import build_policy
 from megagrpo.policy.batch import make_batch
@@ -146,7 +139,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         g = self.cfg.grpo
-        clock = PhaseClock()
+        clock = PhaseClock(self.startup.watch)
         # rollout (G completions or multi-turn trajectories per prompt, with the sampler's
         # logprobs) and rewards; dynamic sampling: more rounds until the groups are informative
         if g.dynamic_sampling:
@@ -338,7 +331,8 @@ def main(argv=None) -> int:
     topology = init_distributed(args.timeout_minutes, p.tensor_parallel_size, p.pipeline_parallel_size,
                                 engine_tp(cfg), p.sequence_parallel_size)
     startup.lap("distributed")
-    MemoryWatch(topology.rank, planned_host_peak_gib(cfg, topology.world_size)).start()  # before an OOM kill
+    startup.watch = MemoryWatch(topology.rank, planned_host_peak_gib(cfg, topology.world_size), phase="distributed")
+    startup.watch.start()  # before an OOM kill; told each phase by the clocks that lap with it
     # held until the ranks leave together: its vLLM engine, once collected, ends the process groups
     trainer = run_rank(lambda: Trainer(cfg, topology, startup), topology.rank, USER_ERRORS)
     run_rank(trainer.train, topology.rank, USER_ERRORS)

@@ -76,7 +76,7 @@ LAYERS = [
     ("data",),
     ("rollout",),
     ("rewards",),
-    ("checkpoints", "planning", "metrics", "stack"),
+    ("checkpoints", "planning", "metrics", "monitoring", "stack"),
     ("validation", "memory_fit"),
     ("evaluation", "report"),
     ("train",),
