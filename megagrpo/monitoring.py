@@ -29,7 +29,7 @@ class StartupTimeline:
     def lap(self, phase: str) -> None:
         now = time.time()
         self.seconds[phase], self._last = self.seconds.get(phase, 0.0) + now - self._last, now
-        if self.watch:
+        if self.watch is not None:
             self.watch.phase = phase
 
     def slowest(self) -> dict:
@@ -74,7 +74,7 @@ class PhaseClock:
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
         self.seconds[phase], self._start = self.seconds.get(phase, 0.0) + now - self._start, now
-        if self.watch:
+        if self.watch is not None:
             self.watch.phase = phase
         self.peak_rss_gib[phase] = max(self.peak_rss_gib.get(phase, 0.0), status_gib("VmHWM"))
         _reset_peak_rss()
