@@ -49,7 +49,7 @@ def worker(args) -> None:
     import torch
 
     from megagrpo.cluster.distributed import all_reduce, init_distributed
-    from megagrpo.metrics import PhaseClock, _status_gib
+    from megagrpo.monitoring import PhaseClock, status_gib
     from megagrpo.planning import make_plan, peak_memory, peak_total
     from megagrpo.policy import build_policy
     from megagrpo.policy.batch import Completion, make_batch
@@ -58,7 +58,7 @@ def worker(args) -> None:
     sp = int(os.environ["WORLD_SIZE"]) // args.dp
     cfg = load_config("configs/tiny_arith.yaml", settings(args, sp) + [f"rollout.max_new_tokens={max(args.lengths)}"])
     topology = init_distributed(sp_size=sp)
-    started = _status_gib("VmRSS")  # the interpreter, torch, DeepSpeed: no model yet
+    started = status_gib("VmRSS")  # the interpreter, torch, DeepSpeed: no model yet
     policy = build_policy(cfg, topology, total_steps=len(args.lengths) + 1)
     clock, step = PhaseClock(), policy.engine.step
 
@@ -79,7 +79,7 @@ def worker(args) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         clock.lap("before")
-        at_rest = _status_gib("VmRSS")
+        at_rest = status_gib("VmRSS")
         start = time.perf_counter()
         metrics = policy.optimize(batch, [[0], [1]])
         seconds = time.perf_counter() - start

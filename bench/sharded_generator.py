@@ -27,7 +27,7 @@ def worker(args) -> None:
 
     from megagrpo.cluster.distributed import init_distributed
     from megagrpo.data import load_prompts
-    from megagrpo.metrics import _status_gib
+    from megagrpo.monitoring import status_gib
     from megagrpo.policy.models import load_tokenizer
     from megagrpo.rollout.generator_group import GeneratorGroup
     from megagrpo.rollout.generators import VLLMGenerator
@@ -56,7 +56,7 @@ def worker(args) -> None:
     def weight_bytes(w):
         return sum(t.numel() * t.element_size() for t in w.model_runner.get_model().parameters())
     row = {"rank": topology.rank, "tokens": tokens, "seconds": seconds, "build_s": build_s,
-           "weight_bytes": engine.llm.collective_rpc(weight_bytes)[0], "rss_gib": _status_gib("VmRSS")}
+           "weight_bytes": engine.llm.collective_rpc(weight_bytes)[0], "rss_gib": status_gib("VmRSS")}
     with open(os.path.join(args.out_dir, f"rank{topology.rank}.json"), "w") as f:
         json.dump(row, f)
     torch.distributed.barrier()

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megagrpo.cluster.distributed import init_distributed  # noqa: E402
 from megagrpo.config.loading import read_config  # noqa: E402
-from megagrpo.metrics import quiet_library_output  # noqa: E402
+from megagrpo.console import quiet_library_output  # noqa: E402
 from megagrpo.policy import build_policy  # noqa: E402
 from megagrpo.rollout.generators import VLLMGenerator, _input_embeddings_skip_gemm_prepack  # noqa: E402
 from megagrpo.rollout.weight_sync import sync_weights  # noqa: E402

@@ -36,7 +36,7 @@ build_deepspeed_ops() {
   if [ "$STACK" = cpu ]; then
     local cpu_adam=False
     if [ "${MEGAGRPO_OFFLOAD_OPS:-0}" = 1 ]; then cpu_adam=True; fi
-    "$VENV/bin/python" -c "from megagrpo.cluster.distributed import build_cpu_ops; build_cpu_ops($cpu_adam)" 2>&1 \
+    "$VENV/bin/python" -c "from megagrpo.cluster.op_builds import build_cpu_ops; build_cpu_ops($cpu_adam)" 2>&1 \
       | grep -E "megagrpo|rror" || true
   fi
 }

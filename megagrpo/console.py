@@ -9,6 +9,7 @@ filters can be installed before or after the library is imported, as long as it 
 line is logged. An entry that might matter (`once`) is shown once per job, on rank 0.
 
     quiet_console()        # at a job's or a tool's start: the filters, and no progress bars off a terminal
+    quiet_library_output() # at a training or eval job's start: also vLLM's log level and torch's warnings
     with dropping_known_prints():   # around upstream code that print()s known noise
         ...
 
@@ -24,6 +25,7 @@ import logging
 import os
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -201,3 +203,20 @@ def quiet_console() -> None:
     """Known upstream noise filtered, and progress bars only on a terminal."""
     quiet_upstream_logs()
     quiet_progress_bars()
+
+
+def quiet_library_output() -> None:
+    """A run's console shows megagrpo's lines, the progress bar and real warnings. vLLM logs
+    INFO lines on every step and rank (prefix-cache resets, reload timings): its level is
+    WARNING unless VLLM_LOGGING_LEVEL says otherwise. The upstream warnings known not to apply
+    to a megagrpo job are filtered, and progress bars of model loading and data preparation
+    are drawn on a terminal only (quiet_console, docs/upstream-issues.md). DeepSpeed and
+    vLLM call collectives that torch marks deprecated (FutureWarning on every first use per
+    rank): nothing a user can act on, so those are not shown; nor is torch's warning that a
+    barrier uses the current CUDA device, which in a world of one DeepSpeed leaves unbound and
+    init_distributed sets to the rank's GPU (docs/upstream-issues.md)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    quiet_console()
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context",
+                            category=UserWarning)

@@ -254,8 +254,9 @@ def _evaluate(args, merged) -> int:
     from megagrpo.cluster.distributed import init_distributed
     from megagrpo.cluster.generator_layout import generator_layout
     from megagrpo.config.schema import ConfigError
+    from megagrpo.console import quiet_library_output
     from megagrpo.data import DataError
-    from megagrpo.metrics import MetricsLogger, quiet_library_output
+    from megagrpo.metrics import MetricsLogger
     from megagrpo.rewards import RewardError
     from megagrpo.stack import build_rollout_stack
     from megagrpo.validation import load_config

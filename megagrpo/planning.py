@@ -5,14 +5,24 @@ model state (parameters, gradients, optimizer) each rank will hold, and its peak
     python -m megagrpo.train --dry-run --config X.yaml ...   (world size from the launcher)
 
 The model is built on the meta device (no memory, no weights read) to count its parameters.
-AutoTP splits the decoder layers' 2-D weights over the tp ranks (embeddings, norms and the head
-are replicated); a pipeline holds one stage per tp group, partitioned by parameters as
-DeepSpeed does it (the largest stage is reported). Bytes per parameter as DeepSpeed's ZeRO
-optimizers hold them: 4 + 4 + 12 (weights, gradients, a float32 master copy and two Adam
-moments) in float32, 2 + 2 + 12 in bfloat16 (bench/parallel_memory.py: within 1% per rank);
-stage 1 splits the optimizer state over the ZeRO partitions, stage 2 the gradients too, stage
-3 the weights too. A LoRA policy trains its adapters only, its frozen base holds weights only
-and is its own reference. The peak's parts, each measured: docs/parallelism.md.
+AutoTP splits the 2-D weights of the decoder layers over the tp ranks; embeddings, norms and
+the LM head are replicated. A pipeline holds one stage per tp group, partitioned by parameters
+as DeepSpeed does it (the largest stage is reported; a tied head keeps a copy of the embedding
+on the last stage), its decoder layers split over the stage's tp ranks. Bytes per parameter as
+DeepSpeed's ZeRO optimizers hold them:
+4 (weights) + 4 (gradients) + 12 (a float32 master copy and the two Adam moments) in float32
+training, which bench/parallel_memory.py measures within 1% per rank; 2 + 2 + 12 in bfloat16.
+ZeRO stage 1 splits the optimizer state over the ZeRO partitions (dp x sp ranks), stage 2 the
+gradients too, stage 3 the weights too. Gradients are counted as held during the backward:
+between steps ZeRO 1 and 2 free them, so the model state measured at rest there is lower by
+the gradient bytes (bench/parallel_memory.py shows both stages). The frozen reference model
+(when kl_coef > 0) holds weights only; the co-located vLLM engine holds its share of the
+weights (split over rollout.tensor_parallel_size) plus its KV cache, and nothing when
+rollout.servers or a disaggregated placement generate. A LoRA policy (model.lora) trains its
+adapters only: gradients and optimizer state are the adapters' (r x (in + out) per adapted
+linear layer, plus the modules to save), the frozen base holds weights only (partitioned under
+ZeRO-3 like the adapters), and there is no reference model (the base with its adapters
+disabled is the reference). The peak's parts, each measured: docs/parallelism.md.
 """
 from __future__ import annotations
 
@@ -87,7 +97,7 @@ def count_parameters(model_path: str) -> tuple[int, int]:
 
 def planned_host_peak_gib(cfg: Config, world_size: int) -> Optional[float]:
     """The plan's peak per rank in GiB where it is host memory (no CUDA), for the memory watch
-    (metrics.MemoryWatch); None on GPUs or where the planner cannot read the config."""
+    (monitoring.MemoryWatch); None on GPUs or where the planner cannot read the config."""
     if torch.cuda.is_available():
         return None
     try:

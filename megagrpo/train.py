@@ -28,17 +28,10 @@ from megagrpo.cluster.placement import Placement
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.loading import to_dict
 from megagrpo.config.schema import Config, ConfigError
+from megagrpo.console import quiet_library_output
 from megagrpo.data import DataError, PromptSampler
-from megagrpo.metrics import (
-    MemoryWatch,
-    MetricsLogger,
-    PhaseClock,
-    Progress,
-    StartupTimeline,
-    quiet_library_output,
-    rollout_metrics,
-    samples_markdown,
-)
+from megagrpo.metrics import MetricsLogger, rollout_metrics, samples_markdown
+from megagrpo.monitoring import MemoryWatch, PhaseClock, Progress, StartupTimeline
 from megagrpo.planning import format_plan, make_plan, planned_host_peak_gib
 from megagrpo.policy import build_policy
 from megagrpo.policy.batch import make_batch
@@ -137,7 +130,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         g = self.cfg.grpo
-        clock = PhaseClock()
+        clock = PhaseClock(self.startup.watch)
         # rollout (G completions or multi-turn trajectories per prompt, with the sampler's
         # logprobs, sampled now or ahead) and rewards; dynamic sampling: more rounds until the
         # groups are informative
@@ -204,8 +197,9 @@ class Trainer:
         self.metrics.text(self.step + 1, "samples", table)
 
     def sync_generator_weights(self, steps_done: int) -> float:
-        """Stream the policy's weights (`steps_done` steps trained) into every generator that takes
-        them whole; returns seconds taken. After the first sync, LoRA sends only what it trains."""
+        """Stream the policy's weights (`steps_done` steps trained) into the generator of every rank
+        that receives them whole (all ranks, or a pipeline's first stage); returns seconds taken.
+        After the first sync, a LoRA policy sends only the weights it trains."""
         partial = self.generator_synced and not self.policy.trains_all_weights
         seconds = sync_weights(self.policy.full_tensors(changed_only=partial),
                                self.stack.generator if self.policy.holds_full_tensors else None, partial, steps_done)
@@ -265,7 +259,8 @@ def parse_args(argv=None):
                     "(e.g. grpo.kl_coef=0.1 num_generations=8 use_vllm=false).")
     p.add_argument("--config", help="experiment YAML (see configs/)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--timeout-minutes", type=float, default=30.0, help="collectives' timeout (default 30)")
+    p.add_argument("--timeout-minutes", type=float, default=30.0,
+                   help="process-group timeout for collectives (default 30)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the layout and per-rank memory (as `megagrpo plan`) and exit")
     p.add_argument("overrides", nargs="*", help="key.sub=value settings applied after the YAML")
@@ -297,7 +292,8 @@ def main(argv=None) -> int:
     topology = init_distributed(args.timeout_minutes, p.tensor_parallel_size, p.pipeline_parallel_size,
                                 generator_layout(cfg).ranks_per_group, p.sequence_parallel_size)
     startup.lap("distributed")
-    MemoryWatch(topology.rank, planned_host_peak_gib(cfg, topology.world_size)).start()  # before an OOM kill
+    startup.watch = MemoryWatch(topology.rank, planned_host_peak_gib(cfg, topology.world_size), phase="distributed")
+    startup.watch.start()  # before an OOM kill; told each phase by the clocks that lap with it
     # held until the ranks leave together: its vLLM engine, once collected, ends the process groups
     trainer = run_rank(lambda: Trainer(cfg, topology, startup), topology.rank, USER_ERRORS)
     run_rank(trainer.train, topology.rank, USER_ERRORS)

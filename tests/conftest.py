@@ -355,7 +355,7 @@ def pytest_sessionstart(session):
     # DeepSpeed's CPU ops as launch/install.sh built them (in the venv): a process that starts
     # DeepSpeed without megagrpo's set-up (a probe) would otherwise build its shared-memory op
     # again under the session's cache (56 s on 2 cores, once a session)
-    from megagrpo.cluster.distributed import use_venv_extensions_dir
+    from megagrpo.cluster.op_builds import use_venv_extensions_dir
     use_venv_extensions_dir()
 
 

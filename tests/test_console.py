@@ -74,7 +74,7 @@ def test_a_runs_warning_filters_drop_the_known_torch_warnings_only(monkeypatch):
     barrier warning of another kind still shows."""
     import warnings
 
-    from megagrpo.metrics import quiet_library_output
+    from megagrpo.console import quiet_library_output
 
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
     with warnings.catch_warnings(record=True) as seen:

@@ -99,7 +99,7 @@ def test_a_rank_near_the_nodes_memory_says_so_once_per_phase(tmp_path):
     """The memory watch (every trainer rank runs one): a line naming the phase, the rank's RSS
     and the plan's figure once the node has under 5% free and the rank holds more than its plan;
     nothing while the node has room or the rank is within its plan; once per phase."""
-    from megagrpo.metrics import MemoryWatch, PhaseClock
+    from megagrpo.monitoring import MemoryWatch, PhaseClock, StartupTimeline
 
     meminfo = tmp_path / "meminfo"
 
@@ -108,7 +108,9 @@ def test_a_rank_near_the_nodes_memory_says_so_once_per_phase(tmp_path):
                            f"MemAvailable: {int(free_gib * 2**20)} kB\n")
 
     watch = MemoryWatch(rank=1, planned_gib=0.01, meminfo=str(meminfo))
-    PhaseClock().lap("reference")
+    StartupTimeline(watch).lap("model")
+    assert watch.phase == "model"
+    PhaseClock(watch).lap("reference")
     node(100, 10)
     assert watch.check() is None  # 10% free
     node(100, 4)
@@ -116,8 +118,10 @@ def test_a_rank_near_the_nodes_memory_says_so_once_per_phase(tmp_path):
     assert line.startswith("[megagrpo] rank 1: the node has 4.00 of 100.00 GiB free and this rank holds ")
     assert "above the plan's 0.01 GiB per rank, after the 'reference' phase" in line
     assert watch.check() is None  # said once for this phase
-    PhaseClock().lap("train")
+    PhaseClock(watch).lap("train")
     assert "after the 'train' phase" in watch.check()
+    PhaseClock().lap("rollout")  # a clock without the watch does not move its phase
+    assert watch.phase == "train" and watch.check() is None
     assert MemoryWatch(rank=0, planned_gib=1e6, meminfo=str(meminfo)).check() is None  # within its plan
     assert "(no plan of host memory" in MemoryWatch(rank=0, planned_gib=None, meminfo=str(meminfo)).check()
     assert MemoryWatch(rank=0, planned_gib=None, meminfo=str(tmp_path / "absent")).check() is None

@@ -128,7 +128,7 @@ def test_stale_deepspeed_build_lock_is_removed_not_waited_on(tiny, tmp_path, mon
     monkeypatch whatever happens): one left in the venv's folder would hang every later job."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    from megagrpo.cluster.distributed import SHM_OP, clear_stale_build_lock, use_venv_extensions_dir
+    from megagrpo.cluster.op_builds import SHM_OP, clear_stale_build_lock, use_venv_extensions_dir
 
     # as the trainer does without TORCH_EXTENSIONS_DIR: the venv's own build folder. (Set, then
     # deleted: monkeypatch records nothing for deleting an unset variable, and would then leave

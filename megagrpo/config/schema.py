@@ -1,6 +1,8 @@
 """The configuration schema: one dataclass per section, a docstring per field (the source of
-docs/configuration.md), the TRL-style names accepted at the top level. Loading and overrides
-live in loading.py, checks in validation.py."""
+docs/configuration.md), and the TRL-style names accepted at the top level (aliases.py maps them).
+
+Loading and overrides live in loading.py, checks in validation.py.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -55,7 +57,8 @@ class ModelConfig:
     """DeepSpeed's TiledMLP in every decoder layer: the MLP runs on tiles of ~hidden-size tokens,
     recomputed in backward, so its intermediates never exist for a whole long row. ZeRO 0 or 3."""
     lora: LoraConfig = field(default_factory=LoraConfig)
-    """LoRA: adapters train, the KL reference is the base with them disabled. Off while lora.r is 0."""
+    """LoRA policy: train adapters only; the KL reference is the base model with the adapters
+    disabled (no second model). Off while lora.r is 0."""
 
 
 @dataclass
@@ -79,7 +82,8 @@ class DataConfig:
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded)."""
     target_field: str = "reference"
-    """Row field holding the gold text for eval's BLEU, ROUGE and perplexity (was reference_field)."""
+    """Row field holding the gold text that eval's BLEU, ROUGE and perplexity compare with
+    (formerly `data.reference_field`)."""
 
 
 @dataclass
@@ -224,13 +228,15 @@ class RolloutConfig:
     engine: Literal["vllm", "hf"] = "vllm"
     """vllm: a vLLM engine inside each training process; hf: transformers generate."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
-    """colocated: every rank trains and generates, one after the other (a vLLM engine in each
-    training process). disaggregated: the launch's last rollout.ranks ranks only generate (one
-    `vllm serve` per rollout.tensor_parallel_size of them), the others train and send their
-    weights after every step, as to rollout.servers (docs/async.md)."""
+    """colocated: every rank trains and generates, one after the other (a vLLM engine inside
+    each training process). disaggregated: the last rollout.ranks ranks of the launch only
+    generate, each block of rollout.tensor_parallel_size of them running one `vllm serve` of
+    the policy, and the others train, sending their weights after every step as to
+    rollout.servers (docs/async.md)."""
     ranks: int = 0
-    """rollout.placement=disaggregated: how many of the launch's ranks generate (the last ones: whole
-    servers of rollout.tensor_parallel_size ranks, each server's ranks on one node)."""
+    """rollout.placement=disaggregated: how many of the launch's ranks generate (the last ones;
+    a whole number of servers of rollout.tensor_parallel_size ranks, each server's ranks on one
+    node)."""
     servers: list = field(default_factory=list)
     """URLs of `vllm serve` processes started apart from the job (e.g. [http://node7:8000]):
     they generate instead of an engine in each training process, and take the new weights
@@ -241,17 +247,19 @@ class RolloutConfig:
     """rollout.servers (and the servers of placement disaggregated): how long one request (and
     the wait for a server to start) may take."""
     server_retries: int = 3
-    """rollout.servers (and placement disaggregated): a request that gets no answer (or a 5xx) is tried this many more
-    times; then the job stops, naming the server."""
+    """rollout.servers (and placement disaggregated): a request that gets no answer (or a 5xx)
+    is tried this many more times; then the job stops, naming the server."""
     max_staleness: int = 0
-    """rollout.servers or placement disaggregated: the batches of the next k steps are sampled while the trainer trains
-    this one (generation and training overlap); a batch is trained on at most k steps after
-    the weights that sampled it. 0: each batch is sampled with the current weights, as the
-    co-located engine does. Keep grpo.importance_sampling_correction on with k > 0 (docs/async.md)."""
+    """rollout.servers or placement disaggregated: the batches of the next k steps are sampled
+    while the trainer trains this one (generation and training overlap); a batch is trained on
+    at most k steps after the weights that sampled it. 0: each batch is sampled with the
+    current weights, as the co-located engine does. Keep grpo.importance_sampling_correction on
+    with k > 0 (docs/async.md)."""
     partial_rollouts: bool = False
     """With rollout.max_staleness > 0: at a weight update the requests in flight pause and go on
-    with the new weights (vLLM's pause mode keep), so no update waits for the longest generation;
-    each token keeps its weights' version and sampler log-prob (servers: --enable-scale-out)."""
+    with the new weights (vLLM's pause mode keep) instead of finishing first, so no update waits
+    for the longest generation; each token keeps its weights' version and sampler log-prob
+    (servers: --enable-scale-out)."""
     tensor_parallel_size: Optional[int] = None
     """vLLM tensor parallelism: each group of this many consecutive ranks holds one engine
     sharded between them (1/t of the weights and KV cache per rank), all of them sampling.
@@ -368,8 +376,9 @@ class LoggingConfig:
     eval_num_generations: int = 1
     """Completions per held-out prompt: 1 is greedy; n > 1 samples n for pass@k (k <= n)."""
     progress_bar: bool = True
-    """Progress on rank 0: a bar on a terminal; elsewhere (SLURM, nohup) one line every
-    logging_steps (step, reward, KL, step time, tokens/s, time left)."""
+    """Progress on rank 0: a bar with step, reward and step time on a terminal; where stdout is
+    not a terminal (SLURM, nohup), one line every logging_steps (step, reward, KL, step time,
+    tokens/s, time left)."""
 
 
 @dataclass
@@ -383,7 +392,8 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     deepspeed: Any = "configs/ds_zero3.json"
-    """A DeepSpeed JSON or an inline mapping; batch, optimizer and precision keys come from here."""
+    """Path to a DeepSpeed JSON or an inline mapping. Batch, optimizer and precision keys are
+    filled in from this config."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     output_dir: str = "runs/megagrpo"

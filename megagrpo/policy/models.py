@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
-from megagrpo.cluster.distributed import say_if_cpu_adam_builds
+from megagrpo.cluster.op_builds import say_if_cpu_adam_builds
 from megagrpo.config.deepspeed_json import read_deepspeed_config
 from megagrpo.config.schema import Config
 from megagrpo.dtypes import DTYPES
