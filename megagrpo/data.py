@@ -1,4 +1,4 @@
-"""Prompt data: loading with `datasets`, chat-template rendering, a resumable distributed sampler.
+"""Prompt data: loading with `datasets`, chat-template rendering, the prompts' resumable distributed order.
 
 Rows are {"prompt": str, "system_prompt"?: str, ...} or {"messages": [...], ...}; every other
 field travels with the prompt to the reward functions (e.g. a reference "answer").
@@ -118,7 +118,7 @@ def load_prompts(path: str, tokenizer, max_prompt_length: int, prompt_field: str
     return prompts, dropped
 
 
-class PromptSampler:
+class PromptOrder:
     """Seeded, resumable, distributed: each step the dp ranks take disjoint slices of one global
     batch of prompts; each epoch is a fresh permutation. State is (epoch, position)."""
 

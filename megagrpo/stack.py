@@ -4,7 +4,7 @@ reward functions, and, once started, the generator group (the generator, with th
 over it) and the batches sampled ahead.
 
     stack = build_rollout_stack(cfg, training=True)     # tokenizer, tools, prompts, rewards
-    stack.start(topology, seed, sampler, total_steps)   # after the policy, where there is one
+    stack.start(topology, seed, prompt_order, total_steps)   # after the policy, where there is one
     sampled = stack.sample(step, clock)                 # the step's groups, sampled and scored
     stack.settle(clock)                                 # before the weights change
     groups = stack.generate(prompts, n, seeds)          # (evaluation) completions for given prompts
@@ -26,7 +26,7 @@ from megagrpo.algorithm.dynamic_sampling import DynamicSampling
 from megagrpo.cluster.distributed import all_reduce
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import Config
-from megagrpo.data import Prompt, PromptSampler, load_prompts, record_prompts
+from megagrpo.data import Prompt, PromptOrder, load_prompts, record_prompts
 from megagrpo.policy.models import load_tokenizer
 from megagrpo.rewards import RewardFunction, Rewards, build_reward_functions, close_reward_functions, compute_rewards
 from megagrpo.rollout.agent import AgentLoop, agent_metrics, answer_texts, completion_fields
@@ -80,7 +80,7 @@ class RolloutStack:
     reward_functions: list[RewardFunction]
     group: Optional[GeneratorGroup] = None     # after start: the generator, pooled over its ranks
     topology: Optional[Topology] = None
-    sampler: Optional[PromptSampler] = None    # (training) which prompts each step takes
+    prompt_order: Optional[PromptOrder] = None  # (training) which prompts each step takes
     ahead: Optional[RolloutsAhead] = None      # rollout.max_staleness > 0: batches sampled ahead
 
     @property
@@ -92,18 +92,18 @@ class RolloutStack:
     def agent(self) -> Optional[AgentLoop]:
         return self.group.agent
 
-    def start(self, topology: Topology, seed: int, sampler: Optional[PromptSampler] = None,
+    def start(self, topology: Topology, seed: int, prompt_order: Optional[PromptOrder] = None,
               total_steps: int = 0) -> None:
         """The generator, and the multi-turn loop over it when there are tools. Built after the
-        policy: on a GPU vLLM sizes its KV cache from the memory the policy leaves. sampler:
+        policy: on a GPU vLLM sizes its KV cache from the memory the policy leaves. prompt_order:
         the training prompts' order (rollout.max_staleness draws the steps ahead from it)."""
-        self.topology, self.sampler = topology, sampler
+        self.topology, self.prompt_order = topology, prompt_order
         self.group = GeneratorGroup(topology, build_generator(self.cfg, seed=seed))
         if self.toolset:
             self.group.agent = AgentLoop(self.cfg, self.group, self.tokenizer, self.toolset)
         r = self.cfg.rollout
-        if sampler is not None and r.max_staleness:
-            self.ahead = RolloutsAhead(sampler.next_indices, self._sample_ahead, r.max_staleness, total_steps,
+        if prompt_order is not None and r.max_staleness:
+            self.ahead = RolloutsAhead(prompt_order.next_indices, self._sample_ahead, r.max_staleness, total_steps,
                                        r.partial_rollouts)
 
     # ---- a training step's rollout ----------------------------------------------------------------
@@ -112,7 +112,7 @@ class RolloutStack:
         """This rank's groups of step `step` (0-based), sampled and scored, with the rollout's
         metrics; clock (monitoring.PhaseClock) takes the phases: rollout, reward, resampling."""
         g, topology = self.cfg.grpo, self.topology
-        rounds = DynamicSampling(self.sampler.prompts_per_rank, g.max_sampling_rounds,
+        rounds = DynamicSampling(self.prompt_order.prompts_per_rank, g.max_sampling_rounds,
                                  lambda t, op: all_reduce(t, op, topology.dp_group), g.dynamic_sampling)
         while rounds.wants_more():
             r = rounds.count
@@ -121,7 +121,7 @@ class RolloutStack:
                 indices, groups = batch.indices, self.group.share(batch.groups)
                 self.generator.sleep()
             else:
-                indices = self.sampler.next_indices()
+                indices = self.prompt_order.next_indices()
                 groups = self.group.generate([self.prompts[i] for i in indices], g.num_generations,
                                              [sampling_seed(g.seed, step, i, r) for i in indices])
             record_prompts(self.cfg.output_dir, step + 1, indices, r, topology)

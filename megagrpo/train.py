@@ -29,7 +29,7 @@ from megagrpo.cluster.topology import Topology
 from megagrpo.config.loading import to_dict
 from megagrpo.config.schema import Config, ConfigError
 from megagrpo.console import quiet_library_output
-from megagrpo.data import DataError, PromptSampler
+from megagrpo.data import DataError, PromptOrder
 from megagrpo.metrics import MetricsLogger, rollout_metrics, samples_markdown
 from megagrpo.monitoring import MemoryWatch, PhaseClock, Progress, StartupTimeline
 from megagrpo.planning import format_plan, make_plan, planned_host_peak_gib
@@ -58,17 +58,17 @@ class Trainer:
         self.log(f"{len(self.prompts)} training prompts; {self.stack.dropped['train']} dropped as longer than "
                  f"data.max_prompt_length={cfg.data.max_prompt_length}")
         completions_per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
-        self.sampler = PromptSampler(len(self.prompts), completions_per_rank // g.num_generations,
+        self.prompt_order = PromptOrder(len(self.prompts), completions_per_rank // g.num_generations,
                                      topology.dp_rank, topology.dp_size, g.seed, cfg.data.shuffle)
         self.total_steps = g.max_steps if g.max_steps > 0 else max(
-            1, math.ceil(g.num_train_epochs * self.sampler.steps_per_epoch))
+            1, math.ceil(g.num_train_epochs * self.prompt_order.steps_per_epoch))
         self.policy = build_policy(cfg, topology, self.total_steps)
         startup.lap("policy")
         # vLLM's start-up runs five full GCs: with our objects frozen first, each takes ms, not 0.4 s
         gc.freeze()
         # every rank builds its generator (shard); a generator group's ranks make the same calls;
         # rollout.max_staleness: the next steps' batches sampled while this one trains (rollout/ahead.py)
-        self.stack.start(topology, seed=g.seed + topology.generator_ranks()[0], sampler=self.sampler,
+        self.stack.start(topology, seed=g.seed + topology.generator_ranks()[0], prompt_order=self.prompt_order,
                          total_steps=self.total_steps)
         startup.lap("generator")
         self.metrics = MetricsLogger(cfg.output_dir, cfg.logging, topology.is_main, to_dict(cfg))
@@ -220,9 +220,9 @@ class Trainer:
     def trainer_state(self) -> checkpoint.TrainerState:
         """What a checkpoint of this run records now (and what a checkpoint must match to resume)."""
         return checkpoint.TrainerState(
-            step=self.step, sampler=self.sampler.state_dict(), world_size=self.topo.world_size,
-            dp_size=self.topo.dp_size, num_prompts=len(self.prompts), total_steps=self.total_steps,
-            prompts_per_step=self.sampler.prompts_per_step, model=self.policy.base_model,
+            step=self.step, sampler=self.prompt_order.state_dict(),  # (the checkpoint's key for it)
+            world_size=self.topo.world_size, dp_size=self.topo.dp_size, num_prompts=len(self.prompts), total_steps=self.total_steps,
+            prompts_per_step=self.prompt_order.prompts_per_step, model=self.policy.base_model,
             layout=self.policy.layout())
 
     def resume(self) -> None:
@@ -231,7 +231,7 @@ class Trainer:
         if state is not None:
             self.step = state["step"]
             self.metrics.resumed_at(self.step)  # what the killed attempt logged after it goes
-            self.sampler.load_state_dict(state["sampler"])
+            self.prompt_order.load_state_dict(state["sampler"])
             ahead = checkpoint.load_rollouts_ahead(state, self.topo.rank, self.cfg.rollout.max_staleness)
             if self.stack.ahead is not None:
                 self.stack.ahead.load_state(ahead)

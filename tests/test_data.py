@@ -2,7 +2,7 @@
 import pytest
 from conftest import write_jsonl
 
-from megagrpo.data import DataError, PromptSampler, load_prompts
+from megagrpo.data import DataError, PromptOrder, load_prompts
 from megagrpo.policy.models import load_tokenizer
 
 
@@ -46,7 +46,7 @@ def test_csv_and_parquet_load(tokenizer, tmp_path):
 
 
 def test_sampler_disjoint_reshuffled_resumable():
-    ranks = [PromptSampler(40, 4, r, 3, seed=7) for r in range(3)]
+    ranks = [PromptOrder(40, 4, r, 3, seed=7) for r in range(3)]
     epoch0 = [sum((s.next_indices() for _ in range(3)), []) for s in ranks]
     flat = sum(epoch0, [])
     assert len(flat) == len(set(flat)) == 36  # disjoint across ranks, no repeats in an epoch
@@ -54,11 +54,11 @@ def test_sampler_disjoint_reshuffled_resumable():
     assert ranks[0].epoch == 1 and epoch1 != epoch0[0][:4]  # a fresh permutation
     # resume: a new sampler loaded with the state continues identically
     state = ranks[1].state_dict()
-    clone = PromptSampler(40, 4, 1, 3, seed=7)
+    clone = PromptOrder(40, 4, 1, 3, seed=7)
     clone.load_state_dict(state)
     assert [clone.next_indices() for _ in range(4)] == [ranks[1].next_indices() for _ in range(4)]
 
 
 def test_sampler_too_small_dataset():
     with pytest.raises(DataError, match=r"3 prompts cannot fill one step of 8 prompts"):
-        PromptSampler(3, 4, 0, 2, seed=0)
+        PromptOrder(3, 4, 0, 2, seed=0)

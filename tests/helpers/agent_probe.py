@@ -49,7 +49,7 @@ def main():
 
     trainer.stack.generator.generate = recording_generate
     created_before, closed_before = agent_tools.NumberGame.created, agent_tools.NumberGame.closed_count
-    indices = trainer.sampler.next_indices()
+    indices = trainer.prompt_order.next_indices()
     prompts = [trainer.prompts[i] for i in indices]
     n = cfg.grpo.num_generations
     groups = trainer.stack.generate(prompts, n, [sampling_seed(cfg.grpo.seed, trainer.step, i) for i in indices])
