@@ -221,8 +221,8 @@ class Trainer:
         """What a checkpoint of this run records now (and what a checkpoint must match to resume)."""
         return checkpoint.TrainerState(
             step=self.step, sampler=self.prompt_order.state_dict(),  # (the checkpoint's key for it)
-            world_size=self.topo.world_size, dp_size=self.topo.dp_size, num_prompts=len(self.prompts), total_steps=self.total_steps,
-            prompts_per_step=self.prompt_order.prompts_per_step, model=self.policy.base_model,
+            world_size=self.topo.world_size, dp_size=self.topo.dp_size, num_prompts=len(self.prompts),
+            total_steps=self.total_steps, prompts_per_step=self.prompt_order.prompts_per_step, model=self.policy.base_model,
             layout=self.policy.layout())
 
     def resume(self) -> None:
