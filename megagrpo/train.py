@@ -222,8 +222,8 @@ class Trainer:
         return checkpoint.TrainerState(
             step=self.step, sampler=self.prompt_order.state_dict(),  # (the checkpoint's key for it)
             world_size=self.topo.world_size, dp_size=self.topo.dp_size, num_prompts=len(self.prompts),
-            total_steps=self.total_steps, prompts_per_step=self.prompt_order.prompts_per_step, model=self.policy.base_model,
-            layout=self.policy.layout())
+            total_steps=self.total_steps, prompts_per_step=self.prompt_order.prompts_per_step,
+            model=self.policy.base_model, layout=self.policy.layout())
 
     def resume(self) -> None:
         state = checkpoint.resume(self.policy, self.ckpt_root, self.cfg.checkpoint.resume, self.trainer_state(),
