@@ -24,8 +24,9 @@ from typing import Any, Optional
 
 from megagrpo.algorithm.dynamic_sampling import DynamicSampling
 from megagrpo.cluster.distributed import all_reduce
+from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.cluster.topology import Topology
-from megagrpo.config.schema import Config
+from megagrpo.config.schema import Config, ConfigError
 from megagrpo.data import Prompt, PromptOrder, load_prompts, record_prompts
 from megagrpo.policy.models import load_tokenizer
 from megagrpo.rewards import RewardFunction, Rewards, build_reward_functions, close_reward_functions, compute_rewards
@@ -97,6 +98,11 @@ class RolloutStack:
         """The generator, and the multi-turn loop over it when there are tools. Built after the
         policy: on a GPU vLLM sizes its KV cache from the memory the policy leaves. prompt_order:
         the training prompts' order (rollout.max_staleness draws the steps ahead from it)."""
+        ranks_per_group = generator_layout(self.cfg).ranks_per_group
+        if topology.generator_tp != ranks_per_group:  # the engine's tp groups and ours must agree
+            raise ConfigError(f"rollout.tensor_parallel_size gives generator groups of {ranks_per_group} ranks, but "
+                              f"the process groups were made for {topology.generator_tp}: pass "
+                              "generator_layout(cfg).ranks_per_group to init_distributed(generator_tp=)")
         self.topology, self.prompt_order = topology, prompt_order
         self.group = GeneratorGroup(topology, build_generator(self.cfg, seed=seed))
         if self.toolset:
