@@ -8,10 +8,10 @@
 #
 #   bash bench/gpu_check.sh [pytest arguments, e.g. -k collectives]
 #
-# pytest does the work: each test under pytest-timeout's limit (GPU_CHECK_TEST_TIMEOUT_S, 300),
-# CUDA-only parts and absent packages skipped with their reason ("missing: flash_attn"; -rs lists
-# them), numbers recorded with record_property into --junitxml, which bench/gpu_check_json.py
-# turns into one JSON: $OUT/gpu_check.json when OUT is set, else bench/results/gpu_check.json
+# pytest does the work: each test under pytest-timeout's limit (GPU_CHECK_TEST_TIMEOUT_S: 300 s
+# with a GPU, 900 without), CUDA-only parts and absent packages skipped with their reason
+# ("missing: flash_attn"; -rs lists them), numbers recorded with record_property into
+# --junitxml, which bench/gpu_check_json.py turns into one JSON: $OUT/gpu_check.json when OUT is set, else bench/results/gpu_check.json
 # (GPU_CHECK_OUT overrides both). The whole run stays under GPU_CHECK_BUDGET_S (570 s with a GPU;
 # 1800 without, where every check runs its CPU part): past it `timeout` interrupts pytest
 # (SIGINT: its session still ends and writes the XML). Nothing is downloaded: wheels in
@@ -70,10 +70,10 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_WAIT_POLICY="${OMP_WA
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
-  BUDGET="${GPU_CHECK_BUDGET_S:-570}"
+  BUDGET="${GPU_CHECK_BUDGET_S:-570}" TEST_TIMEOUT="${GPU_CHECK_TEST_TIMEOUT_S:-300}"
   echo "gpu_check: CUDA: $("$PY" -c 'import torch; print(torch.cuda.device_count(), "x", torch.cuda.get_device_name(0))')"
 else
-  BUDGET="${GPU_CHECK_BUDGET_S:-1800}"
+  BUDGET="${GPU_CHECK_BUDGET_S:-1800}" TEST_TIMEOUT="${GPU_CHECK_TEST_TIMEOUT_S:-900}"
   echo "gpu_check: torch sees no CUDA device: each check runs its CPU part (as the ordinary suite does);"
   echo "gpu_check: its CUDA-only parts are skipped, with their reasons in pytest's short summary (-rs)"
 fi
@@ -81,8 +81,9 @@ echo "gpu_check: runs the tests marked gpu_check in ${TESTS[*]}"
 LEFT=$(( BUDGET - ($(date +%s) - START) - 20 ))  # 20 s for the JSON
 [ "$LEFT" -lt 30 ] && LEFT=30                      # (`timeout 0` would mean no limit at all)
 rm -f "$RESULT" "$WORK/junit.xml"
-timeout -s INT -k 30 "$LEFT" "$PY" -m pytest -m gpu_check -v -rs --tb=short -p no:cacheprovider \
-  --timeout="${GPU_CHECK_TEST_TIMEOUT_S:-300}" --basetemp="$WORK/tmp" --junitxml="$WORK/junit.xml" \
+# --foreground: the SIGINT reaches pytest alone (once), whose session then ends and writes the XML
+timeout --foreground -s INT -k 30 "$LEFT" "$PY" -m pytest -m gpu_check -v -rs --tb=short -p no:cacheprovider \
+  --timeout="$TEST_TIMEOUT" --basetemp="$WORK/tmp" --junitxml="$WORK/junit.xml" \
   "${TESTS[@]}" "$@" < /dev/null
 RC=$?
 "$PY" bench/gpu_check_json.py "$WORK/junit.xml" "$RESULT" --exit-code "$RC" \

@@ -6,7 +6,8 @@ this machine has (torch, CUDA, the GPUs, the packages).
 The JSON: {"created", "host", "pytest_exit_code", "environment", "checks": {test id: {"outcome":
 passed|failed|skipped, "seconds", "message" (the skip's reason or the failure's), "numbers": the
 test's record_property values}}, "summary": {"passed": [...], "failed": [...], "skipped": [...]}}.
-A skip whose reason starts with "missing: " names a package or device this machine lacks.
+A skip whose reason starts with "missing: " names a package or device this machine lacks;
+"interrupted" says the run's time budget stopped pytest.
 Exit code: 1 when there is no XML (pytest did not finish its session), else 0.
 """
 import argparse
@@ -84,6 +85,8 @@ def main(argv=None) -> int:
         result["checks"] = checks(ET.parse(args.junit).getroot())
     except (OSError, ET.ParseError) as e:
         result.update(checks={}, error=f"no junit XML from pytest ({e}): it was stopped before its session ended")
+    if args.exit_code in (2, 124, 137):  # SIGINT from the run's `timeout`, or its KILL after it
+        result["interrupted"] = "pytest was stopped by the time budget: the tests after the last listed did not run"
     result["summary"] = {outcome: [n for n, c in result["checks"].items() if c["outcome"] == outcome]
                          for outcome in ("passed", "failed", "skipped")}
     with open(args.out, "w") as f:
