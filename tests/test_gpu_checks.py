@@ -38,6 +38,7 @@ GPUS = torch.cuda.device_count() if CUDA else 0
 
 
 def cuda_only(what: str):
+    """Skip where torch sees no CUDA device: `what` exists on CUDA alone."""
     return pytest.mark.skipif(not CUDA, reason=f"CUDA only: {what} (torch sees no CUDA device)")
 
 
