@@ -66,6 +66,8 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="${SITE}$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+# every job and rank starts cold: the tests' warm servers preload vLLM's CPU modules (tests/conftest.py)
+export MEGAGRPO_TEST_COLD_RANKS=1
 # nothing is fetched: local model folders only, no usage statistics
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 
