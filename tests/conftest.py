@@ -121,6 +121,9 @@ def run(cmd, timeout=600, env=None, check=True, cwd=ROOT, retry_port=True):
         out, err = proc.communicate()
         raise AssertionError(f"{cmd} did not finish within {timeout} s (stacks below, from SIGABRT)\n"
                              f"--- stdout\n{out[-6000:]}\n--- stderr\n{err[-12000:]}")
+    except KeyboardInterrupt:  # Ctrl-C, or bench/gpu_check.sh's time budget: the job ends too
+        signal_job(proc.pid, signal.SIGKILL)
+        raise
     signal_job(proc.pid, signal.SIGKILL, processes=[])  # its group's leftovers (the leader is reaped)
     _log_launch(cmd, time.time() - started)
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
