@@ -17,7 +17,7 @@
 # (SIGINT: its session still ends and writes the XML). Nothing is downloaded: wheels in
 # GPU_CHECK_WHEELS (default .whl/, if there; bench/gpu_wheels.sh makes them) are installed first
 # with pip --no-index into the run's folder. Exit code: pytest's (0 when nothing failed; skips
-# do not count), 1 without a JSON.
+# do not count), 124 when the budget stopped pytest, 1 without a JSON.
 #
 # Environment: GPU_CHECK_PYTHON (default: the first of .venv/bin/python and python3 whose torch
 # sees CUDA, else the first that has torch), GPU_CHECK_WORK (pytest's temporary folders and the
