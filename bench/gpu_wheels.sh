@@ -7,7 +7,7 @@
 #
 # The image lent to this project (docs/benchmarks.md#gpu-check) lacks DeepSpeed (built here
 # without ops: pure Python, its ops JIT-compile on the GPU machine), datasets, pydantic and their
-# pure-Python needs. vLLM cannot be carried: its CUDA wheel is 311 MiB (a device call carries
+# pure-Python needs, and pytest-timeout (gpu_check.sh's limit per test). vLLM cannot be carried: its CUDA wheel is 311 MiB (a device call carries
 # 64 MiB) and pins torch 2.13, where that image has 2.11.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ PY=.venv/bin/python
 mkdir -p .whl
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.whl/ >> .git/info/exclude; }
 version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
-PURE=(datasets dill multiprocess hjson pydantic annotated-types typing-inspection)
+PURE=(datasets dill multiprocess hjson pydantic annotated-types typing-inspection pytest-timeout)
 SPECS=()
 for dist in "${PURE[@]}"; do SPECS+=("$dist==$(version "$dist")"); done
 SPECS+=("pydantic-core==$(version pydantic-core)")

@@ -102,7 +102,7 @@ def run(cmd, timeout=600, env=None, check=True, cwd=ROOT, retry_port=True):
     full_env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
                 **(env or {})}
     started = time.time()
-    if list(cmd[:3]) == [PYTHON, "-m", "megagrpo.train"] and cwd == ROOT:
+    if list(cmd[:3]) == [PYTHON, "-m", "megagrpo.train"] and cwd == ROOT and not _cold():
         result = _run_warm(cmd, timeout, full_env)  # the same job, without its 4 s of imports
         _log_launch(cmd, time.time() - started)
         if check and result.returncode != 0:
@@ -121,6 +121,9 @@ def run(cmd, timeout=600, env=None, check=True, cwd=ROOT, retry_port=True):
         out, err = proc.communicate()
         raise AssertionError(f"{cmd} did not finish within {timeout} s (stacks below, from SIGABRT)\n"
                              f"--- stdout\n{out[-6000:]}\n--- stderr\n{err[-12000:]}")
+    except KeyboardInterrupt:  # Ctrl-C, or bench/gpu_check.sh's time budget: the job ends too
+        signal_job(proc.pid, signal.SIGKILL)
+        raise
     signal_job(proc.pid, signal.SIGKILL, processes=[])  # its group's leftovers (the leader is reaped)
     _log_launch(cmd, time.time() - started)
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
@@ -134,6 +137,12 @@ def run(cmd, timeout=600, env=None, check=True, cwd=ROOT, retry_port=True):
         raise AssertionError(f"{cmd} exited {result.returncode}\n--- stdout\n{out[-6000:]}\n"
                              f"--- stderr\n{err[-6000:]}")
     return result
+
+
+def _cold() -> bool:
+    """MEGAGRPO_TEST_COLD_RANKS=1: every job and rank starts cold, none is forked from a warm
+    server (bench/gpu_check.sh: a GPU machine, where the servers' vLLM-CPU imports do not apply)."""
+    return os.environ.get("MEGAGRPO_TEST_COLD_RANKS") == "1"
 
 
 def _run_warm(cmd, timeout, env) -> subprocess.CompletedProcess:
@@ -257,7 +266,7 @@ def _warm_ranks_server() -> str:
     """The socket of the session's server of warm ranks, started on first use (its imports then
     run while the first launch starts); its environment is the one run() gives a torchrun rank.
     MEGAGRPO_TEST_COLD_RANKS=1: none, every rank starts cold."""
-    if os.environ.get("MEGAGRPO_TEST_COLD_RANKS") == "1" or (_WARM_RANKS and _WARM_RANKS[0].poll() is not None):
+    if _cold() or (_WARM_RANKS and _WARM_RANKS[0].poll() is not None):
         return ""  # asked for, or the server has died (its log: server.log in its folder)
     if not _WARM_RANKS:
         folder = tempfile.mkdtemp(prefix="megagrpo-warm-ranks-")

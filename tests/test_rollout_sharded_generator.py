@@ -6,7 +6,10 @@ and the same as one tp=1 engine: token for token, sampled and greedy, with log-p
 shards give the log-probs transformers computes for the streamed weights. The GRPO runs of
 test_policy_parallel.py (trainer tp 2, generator tp 2 by default) and the syncs of
 test_rollout_weight_sync.py and test_policy_lora.py (a ZeRO-3 trainer on 2 ranks feeding one
-tp=2 engine) hold the trainer side."""
+tp=2 engine) hold the trainer side.
+
+The 4-rank test is also one of the GPU checks (marker gpu_check, bench/gpu_check.sh): on CUDA it
+runs one tp=2 engine over 2 GPUs (4 ranks with 4 GPUs), and is skipped with one GPU."""
 import json
 import os
 
@@ -21,6 +24,13 @@ from megagrpo.config.schema import ConfigError
 from megagrpo.validation import load_config
 
 PROBE = "tests/helpers/sharded_generator_probe.py"
+CUDA = torch.cuda.is_available()
+GPUS = torch.cuda.device_count() if CUDA else 0
+# max |log p| difference, float32: measured at 1e-5 and below on CPU; on CUDA (not measured yet)
+# tp=2's all-reduce adds the partial products in another order than one GPU's matmul, and TF32
+# may round them
+LOGP_TOLERANCE = 2e-3 if CUDA else 1e-4
+RANKS = 4 if not CUDA or GPUS >= 4 else 2  # one rank a GPU: 2 GPUs hold one tp=2 engine
 
 
 def _probe_args(tiny, out, generator_tp):
@@ -38,15 +48,21 @@ def _hf_logprobs(weights, model_dir, sequence, start):
 
 
 @pytest.mark.multirank
-def test_tp2_engines_on_4_ranks_equal_one_tp1_engine(tiny, tmp_path):
+@pytest.mark.gpu_check
+@pytest.mark.skipif(CUDA and GPUS < 2, reason=f"missing: a second GPU ({GPUS} visible; vLLM at tp=2 shards over 2)")
+def test_tp2_engines_on_4_ranks_equal_one_tp1_engine(tiny, tmp_path, record_property):
     sharded, whole = tmp_path / "tp2", tmp_path / "tp1"
-    run([*torchrun(4, PROBE),
+    run([*torchrun(RANKS, PROBE),
          *_probe_args(tiny, sharded, 2)], timeout=600)
     run([PYTHON, PROBE, *_probe_args(tiny, whole, 1), "--all-batches"], timeout=600)
-    ranks = [json.load(open(sharded / f"sharded_rank{r}.json")) for r in range(4)]
+    ranks = [json.load(open(sharded / f"sharded_rank{r}.json")) for r in range(RANKS)]
     reference = json.load(open(whole / "sharded_rank0.json"))
     expected = {(row["batch"], row["greedy"]): row for row in reference["rounds"]}
     assert len(expected) == 4
+    record_property("ranks", RANKS)
+    record_property("weight_bytes_tp1", reference["weight_bytes"])
+    record_property("weight_bytes_tp2_per_rank", [r["weight_bytes"] for r in ranks])
+    gaps = []
     for r in ranks:
         partner = ranks[r["rank"] ^ 1]  # the other rank of its engine
         assert r["rounds"] == partner["rounds"], f"the two ranks of engine {r['group']} returned different completions"
@@ -56,7 +72,9 @@ def test_tp2_engines_on_4_ranks_equal_one_tp1_engine(tiny, tmp_path):
             assert row["tokens"] == want["tokens"], (r["rank"], row["batch"], row["greedy"])
             got = [lp for g in row["logprobs"] for c in g for lp in c]
             ref = [lp for g in want["logprobs"] for c in g for lp in c]
-            assert len(got) == len(ref) and max(abs(a - b) for a, b in zip(got, ref)) < 1e-4
+            assert len(got) == len(ref)
+            gaps.append(max(abs(a - b) for a, b in zip(got, ref)))
+            assert gaps[-1] < LOGP_TOLERANCE, (r["rank"], row["batch"], row["greedy"], gaps[-1])
         # each rank holds its slices: about half of the whole model's bytes (the norms are whole)
         share = r["weight_bytes"] / reference["weight_bytes"]
         assert 0.45 < share < 0.6, (r["weight_bytes"], reference["weight_bytes"])
@@ -69,7 +87,9 @@ def test_tp2_engines_on_4_ranks_equal_one_tp1_engine(tiny, tmp_path):
         want = _hf_logprobs(weights, tiny["warm"], sequence, start)
         for r in [reference, *ranks]:
             gap = max(abs(a - b) for a, b in zip(r[name], want, strict=True))
-            assert gap < 1e-4, (name, r["rank"], gap)
+            gaps.append(gap)
+            assert gap < LOGP_TOLERANCE, (name, r["rank"], gap)
+    record_property("max_logp_gap", max(gaps))
     assert reference["other_logprobs"] != reference["mixed_logprobs"]  # the partial stream moved the engine
 
 

@@ -10,9 +10,11 @@ a random tiny Qwen2 with an untied head (tools/make_tiny_model.py --no-tie-embed
 task's reward would score all its completions zero (no advantage, no gradient), so the runs
 use a reward with spread on any text (tests/helpers/spread_reward.py). The fp32 layouts and the
 CPU-offloaded optimizer are also held to the one-rank run: the same losses, gradient norms and
-parameters. A bf16 run samples other completions than an fp32 one, so it has no fp32 twin: it
-is held to a finite loss and moved parameters.
+parameters. The bf16 run (ZeRO-3 through the DeepSpeed launcher, one of the GPU checks that
+bench/gpu_check.sh runs) is held to the float32 one-rank run within bf16's bounds at step 1,
+whose completions both sample alike (same seeds, same starting weights).
 """
+import importlib.util
 import json
 import math
 import os
@@ -20,13 +22,15 @@ import sys
 
 import pytest
 import torch
-from conftest import BIN, PYTHON, ROOT, run, tiny_overrides, torchrun
+from conftest import BIN, PYTHON, ROOT, free_port, run, tiny_overrides, torchrun
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 COMMON = ["data.eval_file=null", "grpo.max_steps=2", "grpo.learning_rate=1e-4", "logging.sample_steps=0",
           "checkpoint.save_steps=0", "grpo.per_device_train_batch_size=16",  # 2 prompts x 8 completions
-          "rewards.functions=[spread_reward:distinct_characters]"]
+          "rewards.functions=[spread_reward:distinct_characters]",
+          # a GPU machine without vLLM's CUDA build (bench/gpu_check.sh) samples with transformers
+          *([] if importlib.util.find_spec("vllm") else ["rollout.engine=hf"])]
 HELPERS = {"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "helpers")])}  # the reward
 
 
@@ -180,17 +184,55 @@ def test_zero3_offload_equals_one_rank(untied, one_rank, tmp_path):
     assert_same_run(*check_trained(out, untied["warm"]), one_rank[1:])
 
 
+# bf16 against float32 at step 1 (same completions): the loss is -sum(A * ratio) / tokens + kl,
+# with ratio 1 and kl 0 at the first step in any precision, so only the importance weights
+# exp(logp_old - logp_sampler) carry rounding into it (measured on CPU: 1.2e-5 of 0.124); the
+# gradient norm carries bf16's rounding through the forward and backward pass (2^-8 relative
+# per operation; measured 4.3e-4 relative); vLLM's sampling log-probs against the trainer's,
+# both bf16 (measured 3.9e-3)
+BF16_LOSS_ABS, BF16_GRAD_NORM_REL, BF16_SAMPLING_LOGP = 5e-3, 2e-2, 2e-2
+
+
+@pytest.mark.multirank
+@pytest.mark.gpu_check
+def test_bf16_zero3_within_bf16_of_float32(untied, one_rank, tmp_path, record_property):
+    """2 GRPO steps in bf16 under ZeRO-3 (configs/ds_zero3_bf16.json) through the DeepSpeed
+    launcher (one GPU, or one CPU rank) train, and at step 1 equal the float32 one-rank run
+    within bf16's bounds: both sample the same completions there (same seeds, same starting
+    weights, same rewards), so the loss and gradient norm differ by rounding alone."""
+    out = tmp_path / "bf16"
+    run([f"{BIN}/deepspeed", "--num_gpus", "1", "--master_port", str(free_port()), "--module",
+         *_train_args(untied, out, ["model.dtype=bfloat16", "deepspeed=configs/ds_zero3_bf16.json"])],
+        timeout=600, env=HELPERS)
+    values, _ = check_trained(out, untied["warm"])
+    reference = one_rank[1]
+    first = {tag: values[tag][0][1] for tag in ("train/loss", "train/grad_norm", "train/reward",
+                                                 "train/completions/mean_length")}
+    ref = {tag: reference[tag][0][1] for tag in first}
+    for tag in first:
+        record_property(f"step1 {tag} bf16", first[tag])
+        record_property(f"step1 {tag} float32", ref[tag])
+    # the same completions at step 1, or the comparison below would be of different batches
+    assert (first["train/reward"], first["train/completions/mean_length"]) == \
+        (ref["train/reward"], ref["train/completions/mean_length"]), (first, ref)
+    assert abs(first["train/loss"] - ref["train/loss"]) <= BF16_LOSS_ABS, (first, ref)
+    assert abs(first["train/grad_norm"] / ref["train/grad_norm"] - 1) <= BF16_GRAD_NORM_REL, (first, ref)
+    if "train/sampling/sampling_logp_difference/max" in values:  # vLLM sampled (not transformers)
+        sampling = max(v for _, v in values["train/sampling/sampling_logp_difference/max"])
+        record_property("sampling_logp_difference_max", sampling)
+        assert sampling <= BF16_SAMPLING_LOGP, sampling
+
+
 @pytest.mark.parametrize("extra", [
-    # bf16 with ZeRO-2 and no reference model, with completions cut at max_new_tokens left out
-    # of the loss. A stop string ends some of the random model's completions before the 8th
-    # token (its EOS is rare), so some are cut, not all
-    pytest.param(["model.dtype=bfloat16", "deepspeed=configs/ds_zero2.json", "grpo.kl_coef=0",
-                  "grpo.mask_truncated_completions=true", "rollout.max_new_tokens=8", "rollout.stop=[e]"],
-                 id="bf16-zero2-no-reference-mask-truncated"),
     # CISPO on the highest-entropy fifth of the tokens, with the off-policy sequence mask (GSPO
-    # and the entropy bonus are held to one rank under tp and pp: tests/test_policy_parallel.py)
-    pytest.param(["grpo.loss_type=cispo", "grpo.top_entropy_quantile=0.2", "grpo.off_policy_mask_threshold=0.0"],
-                 id="cispo-entropy-quantile-off-policy-mask"),
+    # and the entropy bonus are held to one rank under tp and pp: tests/test_policy_parallel.py);
+    # no reference model, and completions cut at max_new_tokens left out of the loss. A stop
+    # string ends some of the random model's completions before the 8th token (its EOS is
+    # rare), so some are cut, not all
+    pytest.param(["grpo.loss_type=cispo", "grpo.top_entropy_quantile=0.2", "grpo.off_policy_mask_threshold=0.0",
+                  "grpo.kl_coef=0", "grpo.mask_truncated_completions=true", "rollout.max_new_tokens=8",
+                  "rollout.stop=[e]"],
+                 id="cispo-entropy-quantile-off-policy-mask-no-reference-mask-truncated"),
 ])
 def test_single_rank_configuration(untied, tmp_path, extra):
     out = tmp_path / "run"
