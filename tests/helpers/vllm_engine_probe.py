@@ -123,10 +123,10 @@ def main():
     out.update(greedy_first=first, greedy_after_wake=second)
 
     sequence, start = prompts[0] + first[0], len(prompts[0])
-    out.update(engine_before=generator.score([(sequence, start)])[0],
+    out.update(engine_before=generator.logprobs([(sequence, start)])[0],
                trainer=trainer_logprobs(model, sequence, start))
     sync_weights(named_full_tensors(model), generator)
-    out["engine_after"] = generator.score([(sequence, start)])[0]
+    out["engine_after"] = generator.logprobs([(sequence, start)])[0]
     # the engine's state after the sync: greedy completions of the trained weights
     out["greedy_after_sync"] = greedy()
 
