@@ -357,21 +357,42 @@ class _RunsACommand:
 
 
 def test_batches_sampled_ahead_load_as_data_and_nothing_else(tmp_path):
-    """rollouts_ahead_rank*.pt is read with weights_only: the batch types come back, a pickled
-    object that would run code is refused by name (a checkpoint may come from elsewhere)."""
+    """rollouts_ahead_rank*.json is plain JSON: the batch types come back equal (log-probs to the
+    bit); a file with anything else is refused by name, and an old pickled .pt is refused with
+    what to do, never unpickled (a checkpoint may come from elsewhere)."""
+    import json
+
+    from megagrpo.checkpoints import rollouts_ahead
     from megagrpo.checkpoints.checkpoint import load_rollouts_ahead
     from megagrpo.config.schema import ConfigError
     from megagrpo.policy.batch import Completion
     from megagrpo.rollout.agent import Trajectory
     from megagrpo.rollout.ahead import AheadBatch
 
-    path = tmp_path / "rollouts_ahead_rank0.pt"
-    batches = [AheadBatch(3, [1, 2], [[Completion([1, 2], [-0.1, -0.2], False)],
-                                      [Trajectory([3], [-1.0], True, messages=[{"role": "user", "content": "x"}])]],
-                          2, 0.5)]
-    torch.save(batches, path)
-    assert load_rollouts_ahead({"path": str(tmp_path), "dp_size": 1}, 0, 1) == batches
-    torch.save([_RunsACommand()], path)
-    with pytest.raises(ConfigError, match="rollouts_ahead_rank0.pt: not batches megagrpo saved"):
-        load_rollouts_ahead({"path": str(tmp_path), "dp_size": 1}, 0, 1)
+    state = {"path": str(tmp_path), "dp_size": 1}
+    tool_call = {"type": "function", "function": {"name": "python", "arguments": {"code": "1"}}}
+    batches = [AheadBatch(3, [1, 2], [[Completion([1, 2], [-0.1, -1 / 3], False, versions=[2, 3])],
+                                      [Trajectory([3, 4], [-1e-300, float("-inf")], True, model_mask=[1, 0],
+                                                  messages=[{"role": "assistant", "content": "x",
+                                                             "tool_calls": [tool_call]}],
+                                                  tool_errors={"timeout": 1}, environment_reward=0.5)]],
+                          2, 0.5),
+               AheadBatch(4, [5], None, 2, 0.25)]
+    rollouts_ahead.save(str(tmp_path), 0, batches)
+    loaded = load_rollouts_ahead(state, 0, 1)
+    assert loaded == batches and [type(c) for g in loaded[0].groups for c in g] == [Completion, Trajectory]
+    path = tmp_path / "rollouts_ahead_rank0.json"
+    data = json.loads(path.read_text())
+    data["batches"][0]["groups"][0][0]["kind"] = "os.system"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="rollouts_ahead_rank0.json: not batches megagrpo saved .*'os.system'"):
+        load_rollouts_ahead(state, 0, 1)
+    path.write_bytes(b"\x80\x04not json")
+    with pytest.raises(ConfigError, match="rollouts_ahead_rank0.json: not batches megagrpo saved"):
+        load_rollouts_ahead(state, 0, 1)
+    path.unlink()
+    torch.save([_RunsACommand()], tmp_path / "rollouts_ahead_rank0.pt")  # the old format
+    with pytest.raises(ConfigError, match="rollouts_ahead_rank0.pt: batches sampled ahead in the old pickled "
+                                          "format.*Resume from a checkpoint saved by this version"):
+        load_rollouts_ahead(state, 0, 1)
     assert not os.path.exists("/tmp/megagrpo-unpickled")

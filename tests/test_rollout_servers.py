@@ -20,6 +20,7 @@ from conftest import BIN, ROOT, free_port, run, signal_job, tiny_overrides, torc
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megagrpo.checkpoints import rollouts_ahead
 from megagrpo.checkpoints.checkpoint import load_rollouts_ahead
 from megagrpo.config.schema import ConfigError
 
@@ -134,8 +135,8 @@ def test_sampled_ahead_with_staleness_bounded_and_resumed_exactly(tiny, tmp_path
     signal_job(job.pid, signal.SIGKILL)  # the launcher and both ranks
     job.wait()
     checkpoint = killed / "checkpoints" / "step_00000002"
-    assert sorted(p.name for p in checkpoint.glob("rollouts_ahead_rank*.pt")) == [
-        "rollouts_ahead_rank0.pt", "rollouts_ahead_rank1.pt"]
+    assert sorted(p.name for p in checkpoint.glob("rollouts_ahead_rank*")) == [
+        "rollouts_ahead_rank0.json", "rollouts_ahead_rank1.json"]
     resumed = run(command, timeout=600)
     assert "at step 2" in resumed.stdout
     assert _metrics(killed, "train/loss") == _metrics(whole, "train/loss")  # each step once, the same values
@@ -244,7 +245,7 @@ def test_partial_rollouts_in_a_run_resumed(tiny, tmp_path, server):
     assert len(_metrics(out, "train/rollout/partial_token_share")) == 3
     # checkpoint n holds step n+1's batch, started with the weights after n-1 steps
     for n in (1, 2, 3):
-        for batch in torch.load(out / "checkpoints" / f"step_{n:08d}" / "rollouts_ahead_rank0.pt", weights_only=False):
+        for batch in rollouts_ahead.read(out / "checkpoints" / f"step_{n:08d}" / "rollouts_ahead_rank0.json"):
             assert batch.version == n - 1
             for c in (c for group in batch.groups for c in group):
                 assert len(c.versions) == len(c.token_ids) == len(c.logprobs)
