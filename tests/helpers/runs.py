@@ -1,0 +1,88 @@
+"""What a finished run wrote, read back for the tests: its metrics (metrics.jsonl, which every
+run writes beside TensorBoard, with the values at full precision) and one check that two runs
+are the same run.
+
+    values(out, "train/loss")          -> [1.23, 1.19]   (step order)
+    series(out, "train/loss")          -> [(1, 1.23), (2, 1.19)]
+    assert_same_run(got, expected, loss_atol=1e-5, grad_norm_rtol=1e-4, param_atol=1e-5)
+"""
+import json
+import math
+import os
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file
+
+# what the same completions give: the rewards and the completions' lengths, per step
+COMPLETION_METRICS = ("train/reward", "train/reward_std", "train/completions/mean_length",
+                      "train/completions/min_length", "train/completions/max_length",
+                      "train/completions/clipped_ratio")
+
+
+def metrics(out) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of the run in `out`: name -> [(step, value)], from its metrics.jsonl."""
+    path = os.path.join(out, "metrics.jsonl")
+    assert os.path.isfile(path), f"{path}: no metrics.jsonl (logging.report_to without jsonl?)"
+    found: dict[str, list] = {}
+    with open(path) as f:
+        for row in map(json.loads, f):
+            for name, value in row.items():
+                if name != "step":
+                    found.setdefault(name, []).append((row["step"], value))
+    return found
+
+
+def series(out, name: str) -> list[tuple[int, float]]:
+    """(step, value) of one metric; [] when the run never logged it."""
+    return metrics(out).get(name, [])
+
+
+def values(out, name: str) -> list[float]:
+    return [v for _, v in series(out, name)]
+
+
+def exported(out) -> dict[str, torch.Tensor]:
+    """The run's HF export's tensors (output_dir/hf/model.safetensors)."""
+    return load_file(os.path.join(out, "hf", "model.safetensors"))
+
+
+def _close(got: list, expected: list, atol: float = 0.0, rtol: float = 0.0) -> bool:
+    return len(got) == len(expected) and all(
+        math.isclose(a, b, rel_tol=rtol, abs_tol=atol) if atol or rtol else a == b for a, b in zip(got, expected))
+
+
+def _at(rows: list, steps: Optional[list[int]]) -> list:
+    return rows if steps is None else [(s, v) for s, v in rows if s in steps]
+
+
+def assert_same_run(got, expected, *, loss_atol: float = 0.0, grad_norm_rtol: float = 0.0,
+                    param_atol: float = 0.0, steps: Optional[list[int]] = None, params: bool = True,
+                    completions: bool = True) -> dict:
+    """The runs in `got` and `expected` are the same run, exactly unless a tolerance is given:
+    at every step (or those in `steps`, for a run resumed from the other's checkpoint) the
+    loss, the gradient norm (none zero: a norm reported as 0 hides a missing gradient), the
+    prompts (prompts_seen.jsonl) and the completions' rewards and lengths; and every exported
+    parameter (the same names, shapes and dtypes: whole, not shards). Returns got's exported
+    tensors."""
+    mine, theirs = metrics(got), metrics(expected)
+    for name, tolerance in (("train/loss", {"atol": loss_atol}), ("train/grad_norm", {"rtol": grad_norm_rtol})):
+        a, b = _at(mine.get(name, []), steps), _at(theirs.get(name, []), steps)
+        assert b and [s for s, _ in a] == [s for s, _ in b], (name, a, b)
+        assert _close([v for _, v in a], [v for _, v in b], **tolerance), f"{name}: {a} != {b} ({tolerance})"
+    assert all(v > 0 for _, v in theirs["train/grad_norm"]), theirs["train/grad_norm"]
+    if completions:
+        for name in COMPLETION_METRICS:
+            assert _at(mine.get(name, []), steps) == _at(theirs.get(name, []), steps), (name, mine.get(name),
+                                                                                     theirs.get(name))
+    seen = [[row for row in map(json.loads, open(os.path.join(out, "prompts_seen.jsonl")))
+             if steps is None or row["step"] in steps] for out in (got, expected)]
+    assert seen[0] == seen[1] and seen[1], seen
+    if not params:
+        return {}
+    a, b = exported(expected), exported(got)
+    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
+    for name in a:
+        assert a[name].shape == b[name].shape and a[name].dtype == b[name].dtype, name  # whole, not tp shards
+        torch.testing.assert_close(b[name], a[name], atol=param_atol, rtol=0, msg=name)
+    return b
