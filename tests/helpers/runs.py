@@ -1,6 +1,6 @@
 """What a finished run wrote, read back for the tests: its metrics (metrics.jsonl, which every
 run writes beside TensorBoard, with the values at full precision) and one check that two runs
-are the same run.
+are the same run. tensorboard() reads the TensorBoard sink itself, for the tests of that sink.
 
     values(out, "train/loss")          -> [1.23, 1.19]   (step order)
     series(out, "train/loss")          -> [(1, 1.23), (2, 1.19)]
@@ -20,16 +20,21 @@ COMPLETION_METRICS = ("train/reward", "train/reward_std", "train/completions/mea
                       "train/completions/clipped_ratio")
 
 
-def metrics(out) -> dict[str, list[tuple[int, float]]]:
-    """Every metric of the run in `out`: name -> [(step, value)], from its metrics.jsonl."""
+def rows(out) -> list[dict]:
+    """The run's metrics.jsonl as logged: one {"step": N, name: value, ...} per logged step."""
     path = os.path.join(out, "metrics.jsonl")
     assert os.path.isfile(path), f"{path}: no metrics.jsonl (logging.report_to without jsonl?)"
-    found: dict[str, list] = {}
     with open(path) as f:
-        for row in map(json.loads, f):
-            for name, value in row.items():
-                if name != "step":
-                    found.setdefault(name, []).append((row["step"], value))
+        return [json.loads(line) for line in f]
+
+
+def metrics(out) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of the run in `out`: name -> [(step, value)], from its metrics.jsonl."""
+    found: dict[str, list] = {}
+    for row in rows(out):
+        for name, value in row.items():
+            if name != "step":
+                found.setdefault(name, []).append((row["step"], value))
     return found
 
 
@@ -42,9 +47,23 @@ def values(out, name: str) -> list[float]:
     return [v for _, v in series(out, name)]
 
 
-def exported(out) -> dict[str, torch.Tensor]:
-    """The run's HF export's tensors (output_dir/hf/model.safetensors)."""
-    return load_file(os.path.join(out, "hf", "model.safetensors"))
+def tensorboard(out):
+    """The run's TensorBoard events, loaded whole (EventAccumulator: .Scalars(tag), .Tags())."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return events
+
+
+def exported(out, checkpoint: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The run's HF export's tensors (output_dir/hf/model.safetensors), or with `checkpoint`
+    (a tag: step_00000002) that checkpoint's, whole (megagrpo convert's reader, in process)."""
+    if checkpoint is None:
+        return load_file(os.path.join(out, "hf", "model.safetensors"))
+    from megagrpo.checkpoints.convert import hf_tensors
+
+    return dict(hf_tensors(os.path.join(out, "checkpoints", checkpoint)))
 
 
 def _close(got: list, expected: list, atol: float = 0.0, rtol: float = 0.0) -> bool:
@@ -56,17 +75,18 @@ def _at(rows: list, steps: Optional[list[int]]) -> list:
     return rows if steps is None else [(s, v) for s, v in rows if s in steps]
 
 
-def assert_same_run(got, expected, *, loss_atol: float = 0.0, grad_norm_rtol: float = 0.0,
-                    param_atol: float = 0.0, steps: Optional[list[int]] = None, params: bool = True,
+def assert_same_run(got, expected, *, loss_atol: float = 0.0, loss_rtol: float = 0.0, grad_norm_rtol: float = 0.0,
+                    param_atol: float = 0.0, steps: Optional[list[int]] = None, checkpoint: Optional[str] = None,
                     completions: bool = True) -> dict:
     """The runs in `got` and `expected` are the same run, exactly unless a tolerance is given:
     at every step (or those in `steps`, for a run resumed from the other's checkpoint) the
     loss, the gradient norm (none zero: a norm reported as 0 hides a missing gradient), the
     prompts (prompts_seen.jsonl) and the completions' rewards and lengths; and every exported
-    parameter (the same names, shapes and dtypes: whole, not shards). Returns got's exported
-    tensors."""
+    parameter (the same names, shapes and dtypes: whole, not shards), or with `checkpoint`
+    every parameter of that checkpoint (runs without an export). Returns got's tensors."""
     mine, theirs = metrics(got), metrics(expected)
-    for name, tolerance in (("train/loss", {"atol": loss_atol}), ("train/grad_norm", {"rtol": grad_norm_rtol})):
+    tolerances = {"train/loss": {"atol": loss_atol, "rtol": loss_rtol}, "train/grad_norm": {"rtol": grad_norm_rtol}}
+    for name, tolerance in tolerances.items():
         a, b = _at(mine.get(name, []), steps), _at(theirs.get(name, []), steps)
         assert b and [s for s, _ in a] == [s for s, _ in b], (name, a, b)
         assert _close([v for _, v in a], [v for _, v in b], **tolerance), f"{name}: {a} != {b} ({tolerance})"
@@ -78,9 +98,7 @@ def assert_same_run(got, expected, *, loss_atol: float = 0.0, grad_norm_rtol: fl
     seen = [[row for row in map(json.loads, open(os.path.join(out, "prompts_seen.jsonl")))
              if steps is None or row["step"] in steps] for out in (got, expected)]
     assert seen[0] == seen[1] and seen[1], seen
-    if not params:
-        return {}
-    a, b = exported(expected), exported(got)
+    a, b = exported(expected, checkpoint), exported(got, checkpoint)
     assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
     for name in a:
         assert a[name].shape == b[name].shape and a[name].dtype == b[name].dtype, name  # whole, not tp shards
