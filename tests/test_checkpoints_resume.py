@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from conftest import BIN, ROOT, run, signal_job, tiny_overrides, torchrun
-from runs import assert_same_run, series, tensorboard, values
+from runs import assert_same_run, series, tensorboard_scalars, values
 from safetensors.torch import load_file
 from warm_jobs import WarmJob
 
@@ -88,8 +88,8 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
     # the sinks: what the killed attempt logged after step 3 was dropped, so no step appears twice
     logged = [json.loads(line) for line in open(killed / "metrics.jsonl")]
     assert [row["step"] for row in logged if "train/loss" in row] == [1, 2, 3, 4, 5, 6]
-    loss_events = [[(e.step, e.value) for e in tensorboard(out).Scalars("train/loss")] for out in (killed, straight)]
-    assert loss_events[0] == loss_events[1]  # TensorBoard: the later events purged from view
+    losses = [tensorboard_scalars(out)["train/loss"] for out in (killed, straight)]
+    assert losses[0] == losses[1]  # TensorBoard: the later events purged from view
     if variant != "dynamic_sampling_moving_reference":
         assert [json.loads(line)["step"] for line in open(killed / "prompts_seen.jsonl")] == [1, 2, 3, 4, 5, 6]
     if variant == "mu2_multi_turn":  # the turns were taken: python calls, and the environment's reward

@@ -6,9 +6,11 @@ are the same run. tensorboard() reads the TensorBoard sink itself, for the tests
     series(out, "train/loss")          -> [(1, 1.23), (2, 1.19)]
     assert_same_run(got, expected, loss_atol=1e-5, grad_norm_rtol=1e-4, param_atol=1e-5)
 """
+import ast
 import json
 import math
 import os
+import re
 from typing import Optional
 
 import torch
@@ -48,12 +50,35 @@ def values(out, name: str) -> list[float]:
 
 
 def tensorboard(out):
-    """The run's TensorBoard events, loaded whole (EventAccumulator: .Scalars(tag), .Tags())."""
+    """The run's TensorBoard events, loaded whole (EventAccumulator: .Scalars(tag), .Tags()), for
+    the tests of that sink itself (it stores float32; metrics() has the values as computed)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     return events
+
+
+def tensorboard_scalars(out) -> dict[str, list[tuple[int, float]]]:
+    """metrics(), as the TensorBoard sink holds them: name -> [(step, value)]."""
+    events = tensorboard(out)
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def samples(out) -> dict[int, tuple[object, list[tuple[float, str]]]]:
+    """The sample tables the run logged (logging.sample_steps; TensorBoard text, as
+    metrics.samples_markdown writes them): step -> (the prompt, [(reward, completion)]), each
+    cut at 300 characters (a completion of 300 may be cut)."""
+    events, found = tensorboard(out), {}
+    for event in events.Tensors("samples/text_summary"):
+        text = event.tensor_proto.string_val[0].decode()
+        head, *lines = text.splitlines()
+        assert head.startswith("**prompt:** "), text
+        table = [re.fullmatch(r"\| (-?\d+\.\d{3}) \| (.*) \|", line) for line in lines[3:]]
+        assert table and all(table), text
+        found[event.step] = (ast.literal_eval(head[len("**prompt:** "):]),
+                             [(float(m[1]), ast.literal_eval(m[2])) for m in table])
+    return found
 
 
 def exported(out, checkpoint: Optional[str] = None) -> dict[str, torch.Tensor]:
