@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from conftest import BIN, ROOT, run, signal_job, tiny_overrides, torchrun
-from runs import assert_same_run, series, tensorboard_scalars, values
+from runs import assert_same_run, rows, series, tensorboard_scalars, values
 from safetensors.torch import load_file
 from warm_jobs import WarmJob
 
@@ -86,7 +86,7 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
     resumed = run(_command(tiny, killed, extra), env=wandb)
     assert "at step 3" in resumed.stdout
     # the sinks: what the killed attempt logged after step 3 was dropped, so no step appears twice
-    logged = [json.loads(line) for line in open(killed / "metrics.jsonl")]
+    logged = rows(killed)
     assert [row["step"] for row in logged if "train/loss" in row] == [1, 2, 3, 4, 5, 6]
     losses = [tensorboard_scalars(out)["train/loss"] for out in (killed, straight)]
     assert losses[0] == losses[1]  # TensorBoard: the later events purged from view
