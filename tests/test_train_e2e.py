@@ -44,6 +44,9 @@ def test_two_rank_zero3_vllm_run_logs_and_resumes(tiny, tmp_path):
     # the engine samples with the trainer's weights at every step (the sync works under ZeRO-3)
     assert max(v for _, v in values["train/sampling/sampling_logp_difference/max"]) < 1e-3
     assert all(v > 0 for _, v in values["train/grad_norm"])
+    # the reference model is the starting policy: at step 1 their log-probs agree to the bit
+    # (measured: 0.0), and the policy moves away after (grpo.kl_coef > 0)
+    assert values["train/kl"][0] == (1, 0.0) and min(v for _, v in values["train/kl"][1:]) > 0, values["train/kl"]
     assert all(0 <= v <= 1 for _, v in values["train/reward"])
     ckpts = sorted(d for d in os.listdir(out / "checkpoints") if d.startswith(("step_", "latest")))
     assert ckpts == ["latest", "step_00000002", "step_00000004"]
