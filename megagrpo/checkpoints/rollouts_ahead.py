@@ -77,7 +77,8 @@ def read(path: str) -> list:
             data = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: not batches megagrpo saved (not JSON: {e})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+    if not (isinstance(data, dict) and data.get("format") == FORMAT and data.get("version") == VERSION
+            and isinstance(data.get("batches"), list)):
         raise ConfigError(f"{path}: not batches megagrpo saved (format {FORMAT} version {VERSION})")
     return [from_dict(b, path) for b in data["batches"]]
 
