@@ -12,10 +12,9 @@ import time
 import pytest
 import torch
 from conftest import BIN, ROOT, run, signal_job, tiny_overrides, torchrun
+from runs import assert_same_run, rows, series, tensorboard_scalars, values
 from safetensors.torch import load_file
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
-from warm_jobs import WarmJob  # noqa: E402
+from warm_jobs import WarmJob
 
 
 def _command(tiny, out, extra):
@@ -35,13 +34,6 @@ def _prompts_by_step(out):
             else:  # a resumed run repeats the steps after its checkpoint
                 seen[row["step"]] = [row["prompts"]]
     return {step: rounds[0] if len(rounds) == 1 else rounds for step, rounds in seen.items()}
-
-
-def _losses(out):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(out / "tensorboard"))
-    events.Reload()
-    return [(e.step, e.value) for e in events.Scalars("train/loss")]
 
 
 def _wait_for(condition, timeout, proc):
@@ -94,11 +86,10 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
     resumed = run(_command(tiny, killed, extra), env=wandb)
     assert "at step 3" in resumed.stdout
     # the sinks: what the killed attempt logged after step 3 was dropped, so no step appears twice
-    logged = [json.loads(line) for line in open(killed / "metrics.jsonl")]
+    logged = rows(killed)
     assert [row["step"] for row in logged if "train/loss" in row] == [1, 2, 3, 4, 5, 6]
-    assert [row["train/loss"] for row in logged if "train/loss" in row] == [
-        json.loads(line)["train/loss"] for line in open(straight / "metrics.jsonl") if "train/loss" in line]
-    assert _losses(killed) == _losses(straight)  # TensorBoard: the later events purged from view
+    losses = [tensorboard_scalars(out)["train/loss"] for out in (killed, straight)]
+    assert losses[0] == losses[1]  # TensorBoard: the later events purged from view
     if variant != "dynamic_sampling_moving_reference":
         assert [json.loads(line)["step"] for line in open(killed / "prompts_seen.jsonl")] == [1, 2, 3, 4, 5, 6]
     if variant == "mu2_multi_turn":  # the turns were taken: python calls, and the environment's reward
@@ -118,10 +109,7 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
     if variant == "dynamic_sampling_moving_reference":  # rounds sampled; no prompt twice in a step
         rounds = [r for r in _prompts_by_step(straight).values() if isinstance(r[0], list)]
         assert rounds and all(len({p for part in r for p in part}) == sum(map(len, r)) for r in rounds)
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-        events = EventAccumulator(str(straight / "tensorboard"))
-        events.Reload()
-        zero_spread = [e.value for e in events.Scalars("train/frac_reward_zero_std")]
+        zero_spread = values(straight, "train/frac_reward_zero_std")
         assert len(zero_spread) == 6 and max(zero_spread) == 0, zero_spread  # trained on informative groups only
     if variant == "lora":
         adapters = [load_file(str(out / "adapter" / "adapter_model.safetensors")) for out in (straight, killed)]
@@ -137,13 +125,10 @@ def test_sigkill_and_resume_is_exact(tiny, tmp_path, variant):
         assert refused.returncode != 0 and (f"checkpoint '{step3}' is a LoRA checkpoint saved with dp=2; re-sharding "
                                             "one to dp=1 is not supported: resume with the same number of ranks"
                                             ) in refused.stderr, refused.stderr[-2000:]
-    a = load_file(str(straight / "hf" / "model.safetensors"))
-    b = load_file(str(killed / "hf" / "model.safetensors"))
+    # bit for bit: every step's loss, gradient norm, prompts, rewards and lengths, every parameter
+    b = assert_same_run(killed, straight)
     start = load_file(os.path.join(tiny["warm"], "model.safetensors"))
-    assert a.keys() == b.keys()
-    assert any(not torch.equal(a[k], start[k]) for k in a)  # training moved the weights
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+    assert any(not torch.equal(b[k], start[k]) for k in b)  # training moved the weights
 
 
 def _saving_every_step(tiny, out, steps):
@@ -256,19 +241,9 @@ def test_resume_on_another_number_of_dp_ranks_continues_the_same_run(tiny, tmp_p
                    *tiny_overrides(tiny, one), *common, "grpo.per_device_train_batch_size=32",
                    f"checkpoint.resume={step1}"])
     assert "(re-sharded from dp 2 x tp 1 to dp 1 x tp 1)" in resumed.stdout
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    def losses(out):
-        acc = EventAccumulator(str(out / "tensorboard"))
-        acc.Reload()
-        return {e.step: e.value for e in acc.Scalars("train/loss")}
-    assert list(losses(one)) == [2]
-    assert abs(losses(one)[2] - losses(two)[2]) < 1e-5, (losses(one), losses(two))
-    assert _prompts_by_step(one)[2] == _prompts_by_step(two)[2]
+    assert [s for s, _ in series(one, "train/loss")] == [2]
+    assert_same_run(one, two, steps=[2], loss_atol=1e-5, grad_norm_rtol=1e-4, param_atol=1e-5)
     a = load_file(str(two / "hf" / "model.safetensors"))
-    b = load_file(str(one / "hf" / "model.safetensors"))
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=0, msg=name)
     # the offline converter reassembles the two ranks' ZeRO-3 partitions into the same weights
     run([f"{BIN}/megagrpo", "convert", "to-hf", str(two / "checkpoints" / "step_00000002"), str(tmp_path / "hf2")])
     c = load_file(str(tmp_path / "hf2" / "model-00001.safetensors"))
@@ -357,21 +332,42 @@ class _RunsACommand:
 
 
 def test_batches_sampled_ahead_load_as_data_and_nothing_else(tmp_path):
-    """rollouts_ahead_rank*.pt is read with weights_only: the batch types come back, a pickled
-    object that would run code is refused by name (a checkpoint may come from elsewhere)."""
+    """rollouts_ahead_rank*.json is plain JSON: the batch types come back equal (log-probs to the
+    bit); a file with anything else is refused by name, and an old pickled .pt is refused with
+    what to do, never unpickled (a checkpoint may come from elsewhere)."""
+    import json
+
+    from megagrpo.checkpoints import rollouts_ahead
     from megagrpo.checkpoints.checkpoint import load_rollouts_ahead
     from megagrpo.config.schema import ConfigError
     from megagrpo.policy.batch import Completion
     from megagrpo.rollout.agent import Trajectory
     from megagrpo.rollout.ahead import AheadBatch
 
-    path = tmp_path / "rollouts_ahead_rank0.pt"
-    batches = [AheadBatch(3, [1, 2], [[Completion([1, 2], [-0.1, -0.2], False)],
-                                      [Trajectory([3], [-1.0], True, messages=[{"role": "user", "content": "x"}])]],
-                          2, 0.5)]
-    torch.save(batches, path)
-    assert load_rollouts_ahead({"path": str(tmp_path), "dp_size": 1}, 0, 1) == batches
-    torch.save([_RunsACommand()], path)
-    with pytest.raises(ConfigError, match="rollouts_ahead_rank0.pt: not batches megagrpo saved"):
-        load_rollouts_ahead({"path": str(tmp_path), "dp_size": 1}, 0, 1)
+    state = {"path": str(tmp_path), "dp_size": 1}
+    tool_call = {"type": "function", "function": {"name": "python", "arguments": {"code": "1"}}}
+    batches = [AheadBatch(3, [1, 2], [[Completion([1, 2], [-0.1, -1 / 3], False, versions=[2, 3])],
+                                      [Trajectory([3, 4], [-1e-300, float("-inf")], True, model_mask=[1, 0],
+                                                  messages=[{"role": "assistant", "content": "x",
+                                                             "tool_calls": [tool_call]}],
+                                                  tool_errors={"timeout": 1}, environment_reward=0.5)]],
+                          2, 0.5),
+               AheadBatch(4, [5], None, 2, 0.25)]
+    rollouts_ahead.save(str(tmp_path), 0, batches)
+    loaded = load_rollouts_ahead(state, 0, 1)
+    assert loaded == batches and [type(c) for g in loaded[0].groups for c in g] == [Completion, Trajectory]
+    path = tmp_path / "rollouts_ahead_rank0.json"
+    data = json.loads(path.read_text())
+    data["batches"][0]["groups"][0][0]["kind"] = "os.system"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="rollouts_ahead_rank0.json: not batches megagrpo saved .*'os.system'"):
+        load_rollouts_ahead(state, 0, 1)
+    path.write_bytes(b"\x80\x04not json")
+    with pytest.raises(ConfigError, match="rollouts_ahead_rank0.json: not batches megagrpo saved"):
+        load_rollouts_ahead(state, 0, 1)
+    path.unlink()
+    torch.save([_RunsACommand()], tmp_path / "rollouts_ahead_rank0.pt")  # the old format
+    with pytest.raises(ConfigError, match="rollouts_ahead_rank0.pt: batches sampled ahead in the old pickled "
+                                          "format.*Resume from a checkpoint saved by this version"):
+        load_rollouts_ahead(state, 0, 1)
     assert not os.path.exists("/tmp/megagrpo-unpickled")

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 from conftest import BIN, ROOT, run, tiny_overrides, torchrun, write_jsonl
+from runs import metrics
 from test_rewards_suite import make_reward_model, reference_scores
-from test_train_e2e import scalars
 
 from megagrpo.evaluation import distinct_n, pass_at_k, pass_k_values, perplexity, summarize
 
@@ -125,7 +125,7 @@ def test_megagrpo_eval_on_vllm(tiny, tmp_path):
         tokens += len(ref_ids)
     assert tokens == sum(r["ref_tokens"] for r in records)  # the same tokens were scored
     assert results["perplexity"] == pytest.approx(math.exp(-total / tokens), rel=1e-5)
-    values, _ = scalars(str(out / "tensorboard"))
+    values = metrics(out)
     assert values["eval/bleu"] == [(0, pytest.approx(results["bleu"], rel=1e-6))]
     assert {"eval/rouge1", "eval/rouge2", "eval/rougeL", "eval/distinct_3", "eval/pass@4/code"} <= set(values)
 
@@ -153,7 +153,7 @@ def test_grpo_with_code_reward_and_reward_model(tiny, tmp_path):
          "checkpoint.save_hf_at_end=false", "logging.eval_steps=2", "logging.eval_num_generations=2",
          f"rewards.functions={rewards}"],
         env={"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "helpers")])})
-    values, _ = scalars(str(out / "tensorboard"))
+    values = metrics(out)
     hostile = "train/rewards/hostile_programs:HostileCode"
     # half honest (1.0), half hostile (<= 0.2 each): the mean lies in [0.5, 0.6]
     assert [s for s, _ in values[f"{hostile}/mean"]] == [1, 2], sorted(values)

@@ -244,3 +244,39 @@ def test_openmp_threads_wait_passively_where_ranks_share_a_node():
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                               env={**env, **extra})
         assert proc.stdout.split() == expected.split(), (extra, proc.stderr[-2000:])
+
+
+def unsafe_loads(source: str, where: str) -> list[str]:
+    """Every torch.load in `source` that could unpickle more than tensors and plain data: one
+    without weights_only=True, and any safe_globals naming a class of megagrpo's own (a checkpoint
+    may come from another cluster or user; ours are saved as JSON and tensors instead)."""
+    tree, found = ast.parse(source), []
+    ours = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+            and (n.level or (n.module or "").startswith("megagrpo")) for a in n.names}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = ast.unparse(node.func)
+        if name.endswith("torch.load") or name == "load" and "from torch import load" in source:
+            flag = next((k.value for k in node.keywords if k.arg == "weights_only"), None)
+            if not (isinstance(flag, ast.Constant) and flag.value is True):
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)} (needs weights_only=True)")
+        if name.endswith("safe_globals") or name.endswith("add_safe_globals"):
+            named = {n.id for arg in node.args for n in ast.walk(arg) if isinstance(n, ast.Name)}
+            if named & ours:
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)} (unpickles megagrpo's own classes)")
+    return found
+
+
+def test_no_load_unpickles_more_than_data():
+    found = [f for p in sorted(PACKAGE.rglob("*.py")) for f in unsafe_loads(p.read_text(), p.relative_to(ROOT))]
+    assert not found, "loads that unpickle objects:\n" + "\n".join(found)
+    assert unsafe_loads("import torch\ntorch.load(p, weights_only=False)", "a") == [
+        "a:2: torch.load(p, weights_only=False) (needs weights_only=True)"]
+    assert unsafe_loads("import torch\ntorch.load(p)", "a") == ["a:2: torch.load(p) (needs weights_only=True)"]
+    assert unsafe_loads("from megagrpo.rollout.ahead import AheadBatch\nimport torch\n"
+                        "with torch.serialization.safe_globals([AheadBatch]):\n    torch.load(p, weights_only=True)",
+                        "a") == [
+        "a:3: torch.serialization.safe_globals([AheadBatch]) (unpickles megagrpo's own classes)"]
+    assert unsafe_loads("from deepspeed import LossScaler\nimport torch\n"
+                        "torch.serialization.add_safe_globals([LossScaler])", "a") == []

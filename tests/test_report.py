@@ -47,15 +47,16 @@ def logged_run(tiny, tmp_path_factory):
 
 @pytest.mark.multirank
 def test_every_sink_gets_the_same_metrics(logged_run):
-    from test_train_e2e import scalars
+    from runs import rows as logged_rows
+    from runs import tensorboard_scalars
     from wandb_offline import read_run  # tests/helpers
 
     out, proc = logged_run
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    rows = logged_rows(out)
     assert [r["step"] for r in rows if "train/reward" in r] == [1, 2, 3, 4]
     assert [r["step"] for r in rows if "eval/reward" in r] == [2, 4, 4]  # eval_steps, then the final eval
     jsonl = _last_values(rows)
-    tensorboard, _ = scalars(str(out / "tensorboard"))
+    tensorboard = tensorboard_scalars(out)
     tb = _last_values({"step": s, name: v} for name, events in tensorboard.items() for s, v in events)
     assert tb.keys() == jsonl.keys()
     assert all(tb[key] == pytest.approx(jsonl[key], rel=1e-6, abs=1e-30) for key in jsonl)  # TB stores float32

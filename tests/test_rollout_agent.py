@@ -318,9 +318,9 @@ BEFORE_MULTI_TURN = "7cc9653d3fd5487019a3ea44733e9a4e0ab82170"
 
 
 def _scalars(run_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(run_dir / "tensorboard"))
-    events.Reload()
+    """Every logged scalar but the timings, from TensorBoard (the old trainer wrote no metrics.jsonl)."""
+    from runs import tensorboard
+    events = tensorboard(run_dir)
     return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
             if not tag.startswith(("train/time/", "train/memory/", "train/tokens_per_second", "startup/"))}
 
@@ -332,7 +332,7 @@ def test_single_turn_run_is_bit_identical_to_the_trainer_before_multi_turn(tiny,
     would show as a difference of keys.)"""
     import subprocess
 
-    from safetensors.torch import load_file
+    from runs import exported
 
     have = subprocess.run(["git", "cat-file", "-e", f"{BEFORE_MULTI_TURN}^{{commit}}"], cwd=ROOT, capture_output=True)
     if have.returncode != 0:  # a shallow clone; CI's (.ci/run sets MEGAGRPO_CI) must hold it
@@ -354,9 +354,10 @@ def test_single_turn_run_is_bit_identical_to_the_trainer_before_multi_turn(tiny,
             cwd=tree, env={"PYTHONPATH": tree, "PATH": os.pathsep.join([BIN, os.environ.get("PATH", "")])})
     before, now = _scalars(runs["before"]), _scalars(runs["now"])
     assert before.keys() == now.keys() and len(before) > 20
-    assert before == now
+    assert before == now  # the losses, gradient norms, rewards and lengths among them
+    assert len(now["train/loss"]) == 3 and all(v > 0 for v in now["train/grad_norm"]), now
     for name in ("prompts_seen.jsonl", "eval_results.json"):
         assert (runs["before"] / name).read_text() == (runs["now"] / name).read_text(), name
-    weights = [load_file(str(runs[name] / "hf" / "model.safetensors")) for name in ("before", "now")]
+    weights = [exported(runs[name]) for name in ("before", "now")]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

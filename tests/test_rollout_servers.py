@@ -17,9 +17,10 @@ import pytest
 import requests
 import torch
 from conftest import BIN, ROOT, free_port, run, signal_job, tiny_overrides, torchrun
+from runs import assert_same_run, values
 from safetensors.torch import load_file
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megagrpo.checkpoints import rollouts_ahead
 from megagrpo.checkpoints.checkpoint import load_rollouts_ahead
 from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.config.schema import ConfigError
@@ -32,12 +33,6 @@ COMMON = ["grpo.max_steps=3", "grpo.per_device_train_batch_size=16", "logging.sa
 # as the co-located engine samples: the trainer's log-probs (processed), prompts prefilled whole
 SERVER_ARGS = ("--weight-transfer-config", '{"backend": "gloo"}', "--logprobs-mode", "processed_logprobs",
                "--no-enable-chunked-prefill", "--enable-scale-out")  # (the token route: partial rollouts)
-
-
-def _scalars(out, tag):
-    acc = EventAccumulator(str(out / "tensorboard"))
-    acc.Reload()
-    return [e.value for e in acc.Scalars(tag)]
 
 
 def _server_process(url: str) -> psutil.Process:
@@ -63,15 +58,11 @@ def colocated(tiny, tmp_path_factory):
 
 
 def _assert_equal_runs(expected, got):
-    """The same completions, token for token: the same losses, held-out scores and parameters."""
-    losses, got_losses = _scalars(expected, "train/loss"), _scalars(got, "train/loss")
-    assert len(got_losses) == 3 and max(abs(a - b) for a, b in zip(losses, got_losses)) < 1e-6, (losses, got_losses)
-    assert _scalars(got, "train/completions/mean_length") == _scalars(expected, "train/completions/mean_length")
+    """The same completions, token for token (runs.assert_same_run): the same losses, gradient
+    norms, prompts, rewards and lengths, held-out scores and parameters."""
+    assert len(values(got, "train/loss")) == 3
+    assert_same_run(got, expected, loss_atol=1e-6, grad_norm_rtol=1e-4, param_atol=1e-6)
     assert json.load(open(got / "eval_results.json")) == json.load(open(expected / "eval_results.json"))
-    a = load_file(str(expected / "hf" / "model.safetensors"))
-    b = load_file(str(got / "hf" / "model.safetensors"))
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
 
 
 def _train(tiny, out, *overrides):
@@ -103,11 +94,6 @@ def _kill_after_first_checkpoint(tiny, dying, ranks, overrides, kill, warm=True)
             os.killpg(job.pid, signal.SIGKILL)
 
 
-def _metrics(out, key):
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    return [row[key] for row in rows if key in row]
-
-
 @pytest.mark.daemons
 @pytest.mark.multirank
 def test_sampled_ahead_with_staleness_bounded_and_resumed_exactly(tiny, tmp_path, server):
@@ -119,8 +105,8 @@ def test_sampled_ahead_with_staleness_bounded_and_resumed_exactly(tiny, tmp_path
     ahead = ["rollout.max_staleness=1", f"rollout.servers=[{server}]", "grpo.max_steps=6", "data.eval_file=null",
              "grpo.importance_sampling_correction=token_truncate", "checkpoint.save_steps=2"]
     _train(tiny, whole, *ahead)
-    assert _metrics(whole, "train/rollout/staleness") == [0, 1, 1, 1, 1, 1]
-    assert max(_metrics(whole, "train/rollout/staleness_max")) == 1
+    assert values(whole, "train/rollout/staleness") == [0, 1, 1, 1, 1, 1]
+    assert max(values(whole, "train/rollout/staleness_max")) == 1
 
     command = [*torchrun(2, "-m", "megagrpo.train"), "--config", "configs/tiny_arith.yaml",
                *tiny_overrides(tiny, killed), *COMMON, *ahead]
@@ -135,15 +121,12 @@ def test_sampled_ahead_with_staleness_bounded_and_resumed_exactly(tiny, tmp_path
     signal_job(job.pid, signal.SIGKILL)  # the launcher and both ranks
     job.wait()
     checkpoint = killed / "checkpoints" / "step_00000002"
-    assert sorted(p.name for p in checkpoint.glob("rollouts_ahead_rank*.pt")) == [
-        "rollouts_ahead_rank0.pt", "rollouts_ahead_rank1.pt"]
+    assert sorted(p.name for p in checkpoint.glob("rollouts_ahead_rank*")) == [
+        "rollouts_ahead_rank0.json", "rollouts_ahead_rank1.json"]
     resumed = run(command, timeout=600)
     assert "at step 2" in resumed.stdout
-    assert _metrics(killed, "train/loss") == _metrics(whole, "train/loss")  # each step once, the same values
-    assert _metrics(killed, "train/rollout/staleness") == [0, 1, 1, 1, 1, 1]
-    a, b = load_file(str(whole / "hf" / "model.safetensors")), load_file(str(killed / "hf" / "model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert (killed / "prompts_seen.jsonl").read_text() == (whole / "prompts_seen.jsonl").read_text()
+    assert_same_run(killed, whole)  # each step once, the same values, prompts and parameters, bit for bit
+    assert values(killed, "train/rollout/staleness") == [0, 1, 1, 1, 1, 1]
     # a checkpoint with a batch ahead resumed without sampling ahead is refused (its sampler is past
     # the saved batch); step 2's was pruned (checkpoint.keep_last), step 4's holds step 5's batch
     checkpoint = str(killed / "checkpoints" / "step_00000004")
@@ -241,11 +224,11 @@ def test_partial_rollouts_in_a_run_resumed(tiny, tmp_path, server):
                "grpo.per_device_train_batch_size=8", "grpo.learning_rate=1e-3", "checkpoint.save_steps=1",
                "checkpoint.keep_last=3", "checkpoint.save_hf_at_end=false"]
     _train(tiny, out, *partial)
-    assert _metrics(out, "train/rollout/staleness") == [0, 1, 1]
-    assert len(_metrics(out, "train/rollout/partial_token_share")) == 3
+    assert values(out, "train/rollout/staleness") == [0, 1, 1]
+    assert len(values(out, "train/rollout/partial_token_share")) == 3
     # checkpoint n holds step n+1's batch, started with the weights after n-1 steps
     for n in (1, 2, 3):
-        for batch in torch.load(out / "checkpoints" / f"step_{n:08d}" / "rollouts_ahead_rank0.pt", weights_only=False):
+        for batch in rollouts_ahead.read(out / "checkpoints" / f"step_{n:08d}" / "rollouts_ahead_rank0.json"):
             assert batch.version == n - 1
             for c in (c for group in batch.groups for c in group):
                 assert len(c.versions) == len(c.token_ids) == len(c.logprobs)
@@ -253,7 +236,7 @@ def test_partial_rollouts_in_a_run_resumed(tiny, tmp_path, server):
     again = tmp_path / "resumed"
     resumed = _train(tiny, again, *partial, f"checkpoint.resume={out / 'checkpoints' / 'step_00000001'}")
     assert "at step 1" in resumed.stdout
-    assert _metrics(again, "train/rollout/staleness") == [1, 1]
+    assert values(again, "train/rollout/staleness") == [1, 1]
 
 
 @pytest.mark.daemons

@@ -14,6 +14,7 @@ parameters. The bf16 run (ZeRO-3 through the DeepSpeed launcher, one of the GPU 
 bench/gpu_check.sh runs) is held to the float32 one-rank run within bf16's bounds at step 1,
 whose completions both sample alike (same seeds, same starting weights).
 """
+import dataclasses
 import importlib.util
 import json
 import math
@@ -23,8 +24,9 @@ import sys
 import pytest
 import torch
 from conftest import BIN, PYTHON, ROOT, free_port, run, tiny_overrides, torchrun
+from runs import assert_same_run as assert_runs_equal
+from runs import metrics
 from safetensors.torch import load_file
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 COMMON = ["data.eval_file=null", "grpo.max_steps=2", "grpo.learning_rate=1e-4", "logging.sample_steps=0",
           "checkpoint.save_steps=0", "grpo.per_device_train_batch_size=16",  # 2 prompts x 8 completions
@@ -66,16 +68,10 @@ def train_two_ranks(model, out, *extra):
     return run([*torchrun(2, "-m"), *_train_args(model, out, extra)], timeout=800, env=HELPERS)
 
 
-def scalars(out):
-    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def check_trained(out, start_folder) -> tuple[dict, dict]:
     """The run logged a finite loss at steps 1 and 2 and its HF export holds the starting
     model's tensors, some of them moved by training. Returns (scalars, exported tensors)."""
-    values = scalars(out)
+    values = metrics(out)
     assert [s for s, _ in values["train/loss"]] == [1, 2], values["train/loss"]
     assert all(math.isfinite(v) for _, v in values["train/loss"]), values["train/loss"]
     exported = load_file(str(out / "hf" / "model.safetensors"))
@@ -87,18 +83,12 @@ def check_trained(out, start_folder) -> tuple[dict, dict]:
     return values, exported
 
 
-def assert_same_run(values, exported, reference):
-    """An fp32 layout against the one-rank run: losses, gradient norms, parameters."""
-    ref_values, ref_exported = reference
-    expected, got = [v for _, v in ref_values["train/loss"]], [v for _, v in values["train/loss"]]
-    assert got == pytest.approx(expected, abs=1e-5), (expected, got)
-    norms = [v for _, v in values["train/grad_norm"]]
-    assert norms == pytest.approx([v for _, v in ref_values["train/grad_norm"]], rel=1e-4), norms
-    for name in ref_exported:
-        assert exported[name].shape == ref_exported[name].shape, name  # whole, not tp shards
-        torch.testing.assert_close(exported[name], ref_exported[name], atol=1e-5, rtol=0, msg=name)
+def assert_same_run(out, reference):
+    """An fp32 layout against the one-rank run (runs.assert_same_run): losses, gradient norms,
+    parameters, prompts and completions."""
+    assert_runs_equal(out, reference, loss_atol=1e-5, grad_norm_rtol=1e-4, param_atol=1e-5)
     # the rollout engine samples with the trainer's weights (the head's included) at step 2
-    assert max(v for _, v in values["train/sampling/sampling_logp_difference/max"]) < 1e-3
+    assert max(v for _, v in metrics(out)["train/sampling/sampling_logp_difference/max"]) < 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +145,7 @@ def test_untied_head_pipeline_round_trip(untied, one_rank, tmp_path):
                            "deepspeed=configs/ds_zero0.json", "checkpoint.save_steps=2")
     assert "world 2 = dp 1 x tp 1 x pp 2" in proc.stdout
     values, exported = check_trained(out, untied["warm"])
-    assert_same_run(values, exported, one_rank[1:])
+    assert_same_run(out, one_rank[0])
     assert not torch.equal(exported["lm_head.weight"], exported["model.embed_tokens.weight"])
 
     converted = tmp_path / "converted"
@@ -171,8 +161,8 @@ def test_tensor_parallel(untied, one_rank, tmp_path, ds):
     out = tmp_path / f"tp2_{ds}"
     proc = train_two_ranks(untied, out, "parallel.tensor_parallel_size=2", f"deepspeed=configs/{ds}.json")
     assert "world 2 = dp 1 x tp 2 x pp 1" in proc.stdout
-    values, exported = check_trained(out, untied["warm"])
-    assert_same_run(values, exported, one_rank[1:])
+    check_trained(out, untied["warm"])
+    assert_same_run(out, one_rank[0])
 
 
 def test_zero3_offload_equals_one_rank(untied, one_rank, tmp_path):
@@ -181,7 +171,8 @@ def test_zero3_offload_equals_one_rank(untied, one_rank, tmp_path):
     out = tmp_path / "offload"
     # the first offload run on a machine JIT-compiles DeepSpeed's CPU Adam (minutes on 2 cores)
     train_one_rank(untied, out, "deepspeed=configs/ds_zero3_offload.json", timeout=840)
-    assert_same_run(*check_trained(out, untied["warm"]), one_rank[1:])
+    check_trained(out, untied["warm"])
+    assert_same_run(out, one_rank[0])
 
 
 # bf16 against float32 at step 1 (same completions): the loss is -sum(A * ratio) / tokens + kl,
@@ -223,27 +214,70 @@ def test_bf16_zero3_within_bf16_of_float32(untied, one_rank, tmp_path, record_pr
         assert sampling <= BF16_SAMPLING_LOGP, sampling
 
 
-@pytest.mark.parametrize("extra", [
-    # CISPO on the highest-entropy fifth of the tokens, with the off-policy sequence mask (GSPO
-    # and the entropy bonus are held to one rank under tp and pp: tests/test_policy_parallel.py);
-    # no reference model, and completions cut at max_new_tokens left out of the loss. A stop
-    # string ends some of the random model's completions before the 8th token (its EOS is
-    # rare), so some are cut, not all
-    pytest.param(["grpo.loss_type=cispo", "grpo.top_entropy_quantile=0.2", "grpo.off_policy_mask_threshold=0.0",
-                  "grpo.kl_coef=0", "grpo.mask_truncated_completions=true", "rollout.max_new_tokens=8",
-                  "rollout.stop=[e]"],
-                 id="cispo-entropy-quantile-off-policy-mask-no-reference-mask-truncated"),
-])
-def test_single_rank_configuration(untied, tmp_path, extra):
+# CISPO on the highest-entropy fifth of the tokens, with the off-policy sequence mask (GSPO and
+# the entropy bonus are held to one rank under tp and pp: tests/test_policy_parallel.py); no
+# reference model, and completions cut at max_new_tokens left out of the loss. A stop string
+# ends some of the random model's completions before the 8th token (its EOS is rare), so some
+# are cut, not all
+CISPO = ["grpo.loss_type=cispo", "grpo.top_entropy_quantile=0.2", "grpo.off_policy_mask_threshold=0.0",
+         "grpo.kl_coef=0", "grpo.mask_truncated_completions=true", "rollout.max_new_tokens=8", "rollout.stop=[e]"]
+
+
+def test_cispo_configuration(untied, tmp_path):
+    """The CISPO run trains, its masks leave out what they should, and the loss its resolved
+    configuration computes is CISPO's equation (docs/objectives.md), written out here:
+    mean over the step's tokens of -sg(min(ratio, 1+eps_high)) * A * logp * keep * w_is + kl_coef * k3
+    (times the ratio: use_bias_correction_kl)."""
+    from megagrpo.validation import load_config
+
     out = tmp_path / "run"
-    train_one_rank(untied, out, *extra)
+    train_one_rank(untied, out, *CISPO)
     values, _ = check_trained(out, untied["warm"])
-    if "grpo.kl_coef=0" in extra:  # no reference model, no KL term
-        assert "train/kl" not in values
-    if "grpo.mask_truncated_completions=true" in extra:  # some cut, some trained on
-        clipped = [v for _, v in values["train/completions/clipped_ratio"]]
-        assert max(clipped) > 0 and min(clipped) < 1, clipped
-    if "grpo.top_entropy_quantile=0.2" in extra:  # four fifths of the tokens left out of the policy term
-        masked = [v for _, v in values["train/entropy/masked"]]
-        assert all(0.7 < v < 0.85 for v in masked), masked
-        assert "train/sampling/off_policy_masked" in values
+    masked = [v for _, v in values["train/entropy/masked"]]  # four fifths of the tokens left out
+    assert all(0.7 < v < 0.85 for v in masked), masked
+    assert all(0 <= v < 1 for _, v in values["train/sampling/off_policy_masked"]), values
+    # at step 1 the policy is the sampler's old policy (ratio 1): nothing above 1 + eps_high
+    assert values["train/clip_ratio/high_mean"][0] == (1, 0.0), values["train/clip_ratio/high_mean"]
+    assert "train/kl" not in values  # no reference model, no KL term
+    clipped = [v for _, v in values["train/completions/clipped_ratio"]]  # some cut, some trained on
+    assert max(clipped) > 0 and min(clipped) < 1, clipped
+
+    run_config = load_config("configs/tiny_arith.yaml", [*tiny_overrides(untied, out), *COMMON, *CISPO]).grpo
+    assert (run_config.loss_type, run_config.importance_sampling_correction, run_config.kl_coef) == (
+        "cispo", "token_truncate", 0)
+    for g in (run_config, dataclasses.replace(run_config, kl_coef=0.05)):  # the KL term's part too
+        check_cispo_equation(g)
+
+
+def check_cispo_equation(g) -> None:
+    """micro_batch_loss under config g (CISPO) equals CISPO's equation, in value and gradient,
+    on random float64 tensors; without its masks the equation would differ."""
+    from megagrpo.algorithm.loss import LossInputs, micro_batch_loss
+
+    gen = torch.Generator().manual_seed(0)
+    B, T = 6, 9
+    mask = (torch.arange(T) < torch.tensor([9, 7, 5, 9, 3, 8])[:, None]).double()
+    logp = (-torch.rand(B, T, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    entropy = torch.rand(B, T, generator=gen, dtype=torch.float64) * 2
+    old, ref, sampler = (logp.detach() + torch.randn(B, T, generator=gen, dtype=torch.float64) * s
+                         for s in (0.3, 0.2, 0.1))
+    adv = torch.tensor([1.2, -0.7, 0.3, -1.5, 0.9, -0.2], dtype=torch.float64)
+    normalisers = {"num_sequences": B, "num_tokens": float(mask.sum()), "max_sampled_tokens": T}
+    ours = micro_batch_loss(g, logp, entropy, LossInputs(mask, adv, sampler, old, ref), normalisers, 1.0, None)
+
+    def equation(masks: bool):
+        ratio, eps_high = torch.exp(logp - old), g.epsilon if g.epsilon_high is None else g.epsilon_high
+        w_is = torch.exp(old - sampler).clamp(max=g.importance_sampling_cap)
+        off_policy = ((sampler - logp.detach()) * mask).sum(1) / mask.sum(1)
+        keep = ((adv >= 0) | (off_policy <= g.off_policy_mask_threshold))[:, None] & (
+            entropy >= torch.quantile(entropy[mask.bool()], 1 - g.top_entropy_quantile)) if masks else 1
+        kl = (torch.exp(ref - logp) - (ref - logp) - 1) * (ratio if g.use_bias_correction_kl else 1)
+        token = -ratio.clamp(max=1 + eps_high).detach() * adv[:, None] * logp * keep * w_is + g.kl_coef * kl
+        return (token * mask).sum() / mask.sum()
+
+    expected = equation(masks=True)
+    assert abs(ours.item() - expected.item()) < 1e-12, (ours.item(), expected.item())
+    got_grad, = torch.autograd.grad(ours, logp)
+    expected_grad, = torch.autograd.grad(expected, logp)
+    torch.testing.assert_close(got_grad, expected_grad, atol=1e-12, rtol=0)
+    assert abs(equation(masks=False).item() - expected.item()) > 1e-3  # the masks matter here

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from conftest import BIN, ROOT, free_port, run, tiny_overrides, write_jsonl
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from runs import metrics, samples
 
 EXPECTED_METRICS = [
     "reward", "reward_std", "reward_min", "reward_max", "rewards/answer_match/mean",
@@ -23,12 +23,6 @@ EXPECTED_METRICS = [
 ]
 
 
-def scalars(log_dir):
-    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}, acc
-
-
 def launch(tiny, out, *extra):
     return run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
                 "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
@@ -41,15 +35,18 @@ def test_two_rank_zero3_vllm_run_logs_and_resumes(tiny, tmp_path):
     out = tmp_path / "run"
     first = launch(tiny, out, "grpo.max_steps=4")
     assert "world 2 = dp 2" in first.stdout
-    values, acc = scalars(str(out / "tensorboard"))
+    values = metrics(out)
     for name in EXPECTED_METRICS:
         steps = [s for s, _ in values.get(f"train/{name}", [])]
         assert steps == [1, 2, 3, 4], f"train/{name}: {steps}"
     assert {"eval/reward", "eval/rewards/answer_match"} <= set(values)
-    assert acc.Tags()["tensors"], "no sample text logged"
+    _assert_rewards_recomputed(tiny, out, [2, 4])
     # the engine samples with the trainer's weights at every step (the sync works under ZeRO-3)
     assert max(v for _, v in values["train/sampling/sampling_logp_difference/max"]) < 1e-3
     assert all(v > 0 for _, v in values["train/grad_norm"])
+    # the reference model is the starting policy: at step 1 their log-probs agree to the bit
+    # (measured: 0.0), and the policy moves away after (grpo.kl_coef > 0)
+    assert values["train/kl"][0] == (1, 0.0) and min(v for _, v in values["train/kl"][1:]) > 0, values["train/kl"]
     assert all(0 <= v <= 1 for _, v in values["train/reward"])
     ckpts = sorted(d for d in os.listdir(out / "checkpoints") if d.startswith(("step_", "latest")))
     assert ckpts == ["latest", "step_00000002", "step_00000004"]
@@ -59,12 +56,29 @@ def test_two_rank_zero3_vllm_run_logs_and_resumes(tiny, tmp_path):
 
     second = launch(tiny, out, "grpo.max_steps=6")
     assert "resumed from" in second.stdout and "at step 4" in second.stdout
-    values, _ = scalars(str(out / "tensorboard"))
+    values = metrics(out)
     assert [s for s, _ in values["train/reward"]] == [1, 2, 3, 4, 5, 6]
+    _assert_rewards_recomputed(tiny, out, [2, 4, 6])
     state = json.load(open(out / "checkpoints" / "step_00000006" / "trainer_state.json"))
     assert state["step"] == 6 and state["sampler"]["position"] == 6
     ckpts = sorted(d for d in os.listdir(out / "checkpoints") if d.startswith(("step_", "latest")))
     assert ckpts == ["latest", "step_00000004", "step_00000006"]
+
+
+def _assert_rewards_recomputed(tiny, out, steps):
+    """The sample tables logged at `steps` (the first prompt's group) hold the rewards
+    answer_match gives their completions, recomputed here against each prompt's answer in the
+    data: the rewards belong to their completions, and the group is whole."""
+    from megagrpo.rewards import answer_match
+
+    answers = {row["prompt"]: row["answer"] for row in map(json.loads, open(os.path.join(tiny["data"], "train.jsonl")))}
+    shown = samples(out)
+    assert sorted(shown) == steps, sorted(shown)
+    for step, (prompt, table) in shown.items():
+        texts = [text for _, text in table]
+        assert len(texts) == 8, (step, table)  # grpo.num_generations
+        assert [reward for reward, _ in table] == answer_match([prompt] * 8, texts, answer=[answers[prompt]] * 8), (
+            step, prompt, answers[prompt], table)
 
 
 def test_hf_export_loads_in_transformers_and_matches(tiny, tmp_path):

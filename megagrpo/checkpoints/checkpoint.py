@@ -1,7 +1,8 @@
 """Checkpoints: DeepSpeed's engine state plus the trainer state, saved atomically.
 
 Layout under <output_dir>/checkpoints:
-    step_00000004/            DeepSpeed files, trainer_state.json, rng_rank<r>.json, COMPLETE
+    step_00000004/            DeepSpeed files, trainer_state.json, rng_rank<r>.json, COMPLETE,
+                              rollouts_ahead_rank<r>.json (checkpoints/rollouts_ahead.py)
     latest                    the tag of the newest complete checkpoint, replaced by rename
 
 A save goes into `<tag>.tmp`, is fsynced, renamed to `<tag>`, and only then is `latest`
@@ -14,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pickle
 import random
 import shutil
 import signal
@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megagrpo.checkpoints import rollouts_ahead as ahead_file
+from megagrpo.checkpoints.rollouts_ahead import load_rollouts_ahead as load_rollouts_ahead  # train.py's name
 from megagrpo.cluster.distributed import all_reduce
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import ConfigError
@@ -38,7 +40,7 @@ CRASH_POINTS = ("engine_saved", "marked", "renamed", "latest_written")
 class TrainerState:
     """What a checkpoint holds besides DeepSpeed's engine state (trainer_state.json)."""
     step: int
-    sampler: dict                  # PromptSampler.state_dict()
+    sampler: dict                  # PromptOrder.state_dict() (the prompts' order)
     world_size: int
     dp_size: int
     num_prompts: int
@@ -162,7 +164,7 @@ def save(policy, root: str, state: TrainerState, keep_last: int, topo: Topology,
     if reference is not None:
         torch.save(reference, os.path.join(root, tmp, f"reference_rank{rank}.pt"))
     if rollouts_ahead is not None:
-        torch.save(rollouts_ahead, os.path.join(root, tmp, f"rollouts_ahead_rank{rank}.pt"))
+        ahead_file.save(os.path.join(root, tmp), rank, rollouts_ahead)  # JSON, never pickled
     _barrier()
     if is_main:
         _crash_point("engine_saved", step)
@@ -344,34 +346,6 @@ def load_reference(state: dict, rank: int) -> dict:
         raise ConfigError(f"{state['path']} has no {os.path.basename(path)}: it was saved without "
                           "grpo.sync_ref_model; resume it with grpo.sync_ref_model=false")
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def load_rollouts_ahead(state: dict, rank: int, max_staleness: int) -> list:
-    """This rank's batches sampled ahead that the checkpoint `state` came from saved (none when
-    it was saved with rollout.max_staleness 0): they resume on the layout they were sampled for,
-    and only with batches sampled ahead (the sampler's state is past them)."""
-    path = os.path.join(state["path"], f"rollouts_ahead_rank{rank}.pt")
-    if not any(name.startswith("rollouts_ahead_rank") for name in os.listdir(state["path"])):
-        return []
-    if state.get("resharded") or not os.path.isfile(path):
-        raise ConfigError(f"{state['path']}: its batches sampled ahead (rollout.max_staleness) are saved per "
-                          f"rank and resume on the layout they were sampled for (dp {state['dp_size']}); resume "
-                          "with that layout")
-    # weights_only: plain data and the three types a batch holds, never arbitrary pickled objects
-    # (a checkpoint may have been copied from elsewhere)
-    from megagrpo.policy.batch import Completion
-    from megagrpo.rollout.agent import Trajectory
-    from megagrpo.rollout.ahead import AheadBatch
-    try:
-        with torch.serialization.safe_globals([AheadBatch, Completion, Trajectory]):
-            batches = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise ConfigError(f"{path}: not batches megagrpo saved (it holds other objects, which are not "
-                          f"unpickled: {str(e).splitlines()[-1][:200]})") from None
-    if max_staleness == 0 and batches:  # every rank samples as many batches ahead: its own file tells
-        raise ConfigError(f"{state['path']} holds batches sampled ahead for the steps after it (saved with "
-                          "rollout.max_staleness > 0); resume it with rollout.max_staleness > 0")
-    return batches
 
 
 def _check_resumable(path: str, this_run: TrainerState, topo: Topology) -> bool:

@@ -6,6 +6,16 @@ tests/test_checkpoints_resume.py starts the same job many times to kill it, and 
 
     job = WarmJob(["--config", ..., "key=value"], log_path, {"MEGAGRPO_CRASH_AT": ...})
     job.poll(); job.kill(); job.wait()   # as subprocess.Popen's; returncode -9 after SIGKILL
+
+Measured (2026-12-06, Python 3.11.7, the 2-core test machine shared with other suites; a
+one-rank launch that exits at its config check, the three interleaved, 5 each): cold 7.9 s
+median (7.5-11.4), WarmJob 16.5 s (14.3-25.0), a warm_ranks.py stand-in 0.48 s (0.43-0.73).
+WarmJob starts nothing warm: Python 3.11's forkserver ignores the sys_path it is handed, so its
+server cannot import warm_preload (tests/helpers is not on its path) and multiprocessing
+swallows the ImportError; each job imports the trainer in the forked child (6.2-7.3 s, measured
+inside it). So one mechanism would do: warm_ranks' stand-in for one-rank jobs too, given a
+server per import-time environment (a one-rank job's OMP_NUM_THREADS is not torchrun's) and
+the rank's pid for kill() (the stand-in's death reaches the rank only through the server).
 """
 from __future__ import annotations
 

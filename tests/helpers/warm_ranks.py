@@ -12,6 +12,10 @@ that dies (SIGKILL) takes its rank with it. Each rank skips about 6 s of imports
 A rank starts cold (the stand-in execs Python as torchrun would have) when no server is set
 (MEGAGRPO_TEST_WARM_RANKS) or when its environment differs from the server's in a variable
 read while the server imported (OpenMP's, the allocator's); its PYTHONPATH may add folders.
+
+Measured against cold and warm_jobs.py (see there): 0.48 s a one-rank launch that exits at its
+config check, against 7.9 s cold; warm_jobs' forkserver preloads nothing on Python 3.11, so this
+is the one mechanism that starts warm.
 """
 import array
 import json
