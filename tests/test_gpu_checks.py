@@ -181,7 +181,7 @@ def test_vllm_sleep_frees_gpu_memory(engine, record_property):
     assert asleep > weights > woken, (asleep, weights, woken)
 
 
-def test_weight_sync_engine_scores_like_trainer(engine, record_property):
+def test_weight_sync_generator_logprobs_equal_trainer(engine, record_property):
     """After sync_weights(named_full_tensors(model), generator) the engine's log-probs of a fixed
     sequence equal the trainer model's within bf16's bound; before it (the trainer had stepped)
     they differ clearly."""

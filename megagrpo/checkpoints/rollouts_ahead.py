@@ -86,7 +86,7 @@ def read(path: str) -> list:
 def load_rollouts_ahead(state: dict, rank: int, max_staleness: int) -> list:
     """This rank's batches sampled ahead that the checkpoint `state` came from saved (none when
     it was saved with rollout.max_staleness 0): they resume on the layout they were sampled for,
-    and only with batches sampled ahead (the sampler's state is past them)."""
+    and only with batches sampled ahead (the prompt order's state is past them)."""
     folder = state["path"]
     names = os.listdir(folder)
     pickled = sorted(n for n in names if n.startswith("rollouts_ahead_rank") and n.endswith(".pt"))
