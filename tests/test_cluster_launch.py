@@ -390,6 +390,10 @@ def test_mpirun_two_ranks(tiny, tmp_path, single_node):
     assert "mpirun -np 2 --hostfile hostfiles/localhost_2" in proc.stdout
     assert "world 2 = dp 2" in proc.stdout and "done: 2 steps" in proc.stdout
     assert (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
-    # same samples and updates; torch's CPU thread count differs from the deepspeed launcher's
-    assert_same_run(out, single_node, loss_rtol=1e-5, loss_atol=1e-6, grad_norm_rtol=1e-5, param_atol=1e-6,
+    # same samples and updates; torch's CPU thread count differs from the deepspeed launcher's,
+    # so the sums round differently, and Adam divides by sqrt(v): an element whose gradient is
+    # near zero moves by a share of the learning rate on rounding alone (measured: 2.1e-6, one
+    # element of 480k above 1e-6). 1e-5 is 5% of one step at lr 2e-4; a lost or doubled update
+    # would show in the gradient norm and every element
+    assert_same_run(out, single_node, loss_rtol=1e-5, loss_atol=1e-6, grad_norm_rtol=1e-5, param_atol=1e-5,
                     checkpoint="step_00000002")
