@@ -59,7 +59,7 @@ class Trainer:
                  f"data.max_prompt_length={cfg.data.max_prompt_length}")
         completions_per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
         self.prompt_order = PromptOrder(len(self.prompts), completions_per_rank // g.num_generations,
-                                     topology.dp_rank, topology.dp_size, g.seed, cfg.data.shuffle)
+                                        topology.dp_rank, topology.dp_size, g.seed, cfg.data.shuffle)
         self.total_steps = g.max_steps if g.max_steps > 0 else max(
             1, math.ceil(g.num_train_epochs * self.prompt_order.steps_per_epoch))
         self.policy = build_policy(cfg, topology, self.total_steps)

@@ -8,11 +8,12 @@ With rollout.partial_rollouts the batches in flight are not waited for: the serv
 them through the update and they go on with the new weights, each token tagged with its
 weights' version (rollout/servers.py); a batch's staleness is then its oldest token's.
 
-Which prompts and seeds a step gets does not change: the sampler draws each step's prompts in
-order, and a prompt's seeds are those of its step (generators.sampling_seed). The batches
-sampled ahead at a checkpoint are saved with it, so a resumed run trains on the same tokens.
+Which prompts and seeds a step gets does not change: the prompt order (data.PromptOrder) gives
+each step its prompts in order, and a prompt's seeds are those of its step
+(generators.sampling_seed). The batches sampled ahead at a checkpoint are saved with it, so a
+resumed run trains on the same tokens.
 
-    ahead = RolloutsAhead(sampler.next_indices, sample, max_staleness=1, last_step=total_steps)
+    ahead = RolloutsAhead(prompt_order.next_indices, sample, max_staleness=1, last_step=total_steps)
                                 # sample(step, indices): the rollout stack's, on the side thread
     batch = ahead.take(step)    # this step's batch; starts sampling the steps up to step + k
     ...train...
