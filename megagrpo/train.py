@@ -21,7 +21,7 @@ import torch
 
 from megagrpo import evaluation
 from megagrpo.algorithm import grpo
-from megagrpo.checkpoints import checkpoint, export
+from megagrpo.checkpoints import checkpoint, export, rollouts_ahead
 from megagrpo.cluster.distributed import all_gather_1d, init_distributed, launch_env
 from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.cluster.placement import Placement
@@ -232,7 +232,7 @@ class Trainer:
             self.step = state["step"]
             self.metrics.resumed_at(self.step)  # what the killed attempt logged after it goes
             self.prompt_order.load_state_dict(state["sampler"])
-            ahead = checkpoint.load_rollouts_ahead(state, self.topo.rank, self.cfg.rollout.max_staleness)
+            ahead = rollouts_ahead.load_rollouts_ahead(state, self.topo.rank, self.cfg.rollout.max_staleness)
             if self.stack.ahead is not None:
                 self.stack.ahead.load_state(ahead)
             if self.cfg.grpo.sync_ref_model:

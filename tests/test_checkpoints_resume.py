@@ -338,7 +338,7 @@ def test_batches_sampled_ahead_load_as_data_and_nothing_else(tmp_path):
     import json
 
     from megagrpo.checkpoints import rollouts_ahead
-    from megagrpo.checkpoints.checkpoint import load_rollouts_ahead
+    from megagrpo.checkpoints.rollouts_ahead import load_rollouts_ahead
     from megagrpo.config.schema import ConfigError
     from megagrpo.policy.batch import Completion
     from megagrpo.rollout.agent import Trajectory

@@ -21,7 +21,7 @@ from runs import assert_same_run, values
 from safetensors.torch import load_file
 
 from megagrpo.checkpoints import rollouts_ahead
-from megagrpo.checkpoints.checkpoint import load_rollouts_ahead
+from megagrpo.checkpoints.rollouts_ahead import load_rollouts_ahead
 from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.config.schema import ConfigError
 

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.checkpoints import rollouts_ahead as ahead_file
-from megagrpo.checkpoints.rollouts_ahead import load_rollouts_ahead as load_rollouts_ahead  # train.py's name
 from megagrpo.cluster.distributed import all_reduce
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import ConfigError
