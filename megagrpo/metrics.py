@@ -15,24 +15,20 @@ from megagrpo.cluster.distributed import all_gather_1d
 from megagrpo.config.schema import SINKS, ConfigError, require
 
 
-def report_sinks(report_to) -> list[str]:
-    """logging.report_to as a list of sinks (config/loading.py has written a single name as a
-    list, all and none out). Unknown names, and wandb when it is not installed, are refused here."""
-    names = [report_to] if isinstance(report_to, str) else report_to
-    require(isinstance(names, list) and all(isinstance(n, str) for n in names),
+def check_report_to(report_to) -> None:
+    """logging.report_to, as config/loading.py wrote it out (a list of sinks: a single name made
+    a list of one, all and none expanded): unknown names, and wandb when it is not installed,
+    are refused here."""
+    require(isinstance(report_to, list) and all(isinstance(n, str) for n in report_to),
             f"logging.report_to: {report_to!r} must be a name or a list of names from {', '.join(SINKS)}, none, all")
-    if "all" in names:
-        names = list(SINKS)
-    unknown = [n for n in names if n not in SINKS + ("none",)]
+    unknown = [n for n in report_to if n not in SINKS]
     if unknown:
         raise ConfigError(f"logging.report_to: unknown sink {unknown[0]!r}; use {', '.join(SINKS)}, none or all")
-    names = [n for n in dict.fromkeys(names) if n != "none"]
-    if "wandb" in names:
+    if "wandb" in report_to:
         import importlib.util
         require(importlib.util.find_spec("wandb") is not None,
                 "logging.report_to has wandb but the wandb package is not installed: pip install wandb "
                 "(or `pip install -e .[wandb]`), or remove wandb from logging.report_to")
-    return names
 
 
 class MetricsLogger:

@@ -10,7 +10,7 @@ from megagrpo.cluster.layout import check_layout
 from megagrpo.config.loading import read_config
 from megagrpo.config.schema import Config
 from megagrpo.config.validation import check_config
-from megagrpo.metrics import report_sinks
+from megagrpo.metrics import check_report_to
 from megagrpo.policy.lora import check_lora
 from megagrpo.rewards import check_reward_names
 from megagrpo.rollout.tools import check_tools
@@ -22,7 +22,7 @@ def validate(cfg: Config, training: bool = True, planning: bool = False) -> Gene
     is written into the config: what a rule resolves it returns (the generator's layout)."""
     check_config(cfg, training, planning)
     check_lora(cfg)
-    report_sinks(cfg.logging.report_to)
+    check_report_to(cfg.logging.report_to)
     check_reward_names(cfg.rewards.functions)
     check_tools(cfg)
     return check_layout(cfg)
