@@ -1,13 +1,16 @@
 """Prompt data: loading with `datasets`, chat-template rendering, the prompts' resumable distributed order.
 
 Rows are {"prompt": str, "system_prompt"?: str, ...} or {"messages": [...], ...}; every other
-field travels with the prompt to the reward functions (e.g. a reference "answer").
+field travels with the prompt to the reward functions (e.g. a reference "answer"). For a
+vision-language model, rows may carry images (multimodal/images.py) and the model's processor
+renders them (multimodal/processor.py).
 """
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -24,6 +27,7 @@ class Prompt:
     token_ids: list[int]         # chat-template-rendered prompt, tokenized
     fields: dict = field(default_factory=dict)  # every other row field, for the rewards
     messages: list = field(default_factory=list)  # the prompt as chat messages (system, user, ...)
+    vision: Optional[object] = None  # multimodal.processor.VisionPrompt: its images, for a VLM
 
 
 _LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -95,27 +99,55 @@ def _row_messages(row: dict, where: str, prompt_field: str, system_prompt) -> tu
 
 
 def load_prompts(path: str, tokenizer, max_prompt_length: int, prompt_field: str = "prompt",
-                 system_prompt=None, split: str = "train", tools=None) -> tuple[list[Prompt], int]:
+                 system_prompt=None, split: str = "train", tools=None, processor=None,
+                 images_cfg=None) -> tuple[list[Prompt], int]:
     """Render and tokenize every row (with the tools' JSON schemas, when given, for the chat
-    template to show); returns (prompts, number dropped as too long)."""
+    template to show); processor: a vision-language model's, which renders rows with images
+    (images_cfg: the `images` config section). Returns (prompts, number dropped: longer than
+    max_prompt_length, or with a bad image under images.on_bad_image=drop)."""
+    from megagrpo.multimodal.images import ImageError, row_has_images, row_images
+    from megagrpo.multimodal.processor import encode_prompt
+
     rows, places = load_rows(path, split)
     if not rows:
         raise DataError(f"{path}: no rows")
-    prompts, dropped = [], 0
+    prompts, dropped, bad_images = [], 0, []
     for row, where in zip(rows, places):
         prompt, messages = _row_messages(row, where, prompt_field, system_prompt)
         extra = {"tools": tools} if tools else {}
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        vision = None
+        if images_cfg is not None and row_has_images(row, images_cfg.field):
+            if processor is None:
+                raise DataError(f"{where}: the row has images, but the model takes none (its config.json has "
+                                "no vision_config); use a vision-language model or drop the images")
+            try:
+                messages, images = row_images(row, messages, where, os.path.dirname(os.path.abspath(path)),
+                                              images_cfg)
+            except ImageError as e:
+                if images_cfg.on_bad_image == "refuse":
+                    raise
+                bad_images.append(str(e))
+                continue
+            ids, vision = encode_prompt(processor, messages, images, tools)
+        else:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_length:
             dropped += 1
             continue
-        fields = {k: v for k, v in row.items() if k not in (prompt_field, "messages", "system_prompt")}
-        prompts.append(Prompt(prompt=prompt, token_ids=ids, fields=fields, messages=messages))
+        fields = {k: v for k, v in row.items()
+                  if k not in (prompt_field, "messages", "system_prompt", getattr(images_cfg, "field", None))}
+        prompts.append(Prompt(prompt=prompt, token_ids=ids, fields=fields, messages=messages, vision=vision))
+    if bad_images:
+        print(f"[megagrpo] {path}: {len(bad_images)} rows dropped for a bad image (images.on_bad_image=drop); "
+              f"the first: {bad_images[0]}", flush=True)
+    if not prompts and bad_images:
+        raise DataError(f"{path}: none of its {len(rows)} prompts is usable: {dropped} longer than "
+                        f"data.max_prompt_length={max_prompt_length} tokens, {len(bad_images)} with a bad image")
     if not prompts:
         raise DataError(f"{path}: all {len(rows)} prompts are longer than data.max_prompt_length="
                         f"{max_prompt_length} tokens; raise it")
-    return prompts, dropped
+    return prompts, dropped + len(bad_images)
 
 
 class PromptOrder:

@@ -28,6 +28,7 @@ from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import Config, ConfigError
 from megagrpo.data import Prompt, PromptOrder, load_prompts, record_prompts
+from megagrpo.multimodal.processor import is_vision_language, load_processor
 from megagrpo.policy.models import load_tokenizer
 from megagrpo.rewards import RewardFunction, Rewards, build_reward_functions, close_reward_functions, compute_rewards
 from megagrpo.rollout.agent import AgentLoop, agent_metrics, answer_texts, completion_fields
@@ -77,7 +78,7 @@ class RolloutStack:
     toolset: Optional[Toolset]
     prompts: list[Prompt]             # data.train_file (none for `megagrpo eval`)
     eval_prompts: list[Prompt]        # data.eval_file
-    dropped: dict                     # prompts dropped as longer than data.max_prompt_length, per file
+    dropped: dict                     # prompts dropped (too long, or a bad image), per file
     reward_functions: list[RewardFunction]
     group: Optional[GeneratorGroup] = None     # after start: the generator, pooled over its ranks
     topology: Optional[Topology] = None
@@ -202,10 +203,11 @@ def build_rollout_stack(cfg: Config, training: bool = True) -> RolloutStack:
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     toolset = Toolset(cfg) if cfg.rollout.max_turns > 1 else None
     tools = toolset.schemas if toolset else None
+    processor = load_processor(cfg.model.name_or_path) if is_vision_language(cfg.model.name_or_path) else None
 
     def load(path: str, split: str) -> tuple[list[Prompt], int]:
         return load_prompts(path, tokenizer, data.max_prompt_length, data.prompt_field, data.system_prompt,
-                            split, tools)
+                            split, tools, processor, cfg.images)
 
     prompts, eval_prompts, dropped = [], [], {}
     if training:

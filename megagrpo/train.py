@@ -55,8 +55,8 @@ class Trainer:
         self.stack = build_rollout_stack(cfg)  # tokenizer, tools, prompts, reward functions
         startup.lap("data")
         self.tokenizer, self.prompts = self.stack.tokenizer, self.stack.prompts
-        self.log(f"{len(self.prompts)} training prompts; {self.stack.dropped['train']} dropped as longer than "
-                 f"data.max_prompt_length={cfg.data.max_prompt_length}")
+        self.log(f"{len(self.prompts)} training prompts; {self.stack.dropped['train']} dropped (longer than "
+                 f"data.max_prompt_length={cfg.data.max_prompt_length}, or a bad image)")
         completions_per_rank = g.per_device_train_batch_size * g.gradient_accumulation_steps
         self.prompt_order = PromptOrder(len(self.prompts), completions_per_rank // g.num_generations,
                                         topology.dp_rank, topology.dp_size, g.seed, cfg.data.shuffle)
@@ -168,7 +168,7 @@ class Trainer:
         """The step's batch on this rank's device (policy/batch.py); truncated completions masked
         out of the loss with grpo.mask_truncated_completions."""
         batch = make_batch([p.token_ids for p in sampled.prompts], sampled.completions, advantages,
-                           self.tokenizer.pad_token_id).to(self.device)
+                           self.tokenizer.pad_token_id, [p.vision for p in sampled.prompts]).to(self.device)
         if self.cfg.grpo.mask_truncated_completions:
             batch.completion_mask = batch.completion_mask * (~batch.truncated).unsqueeze(1).float()
         return batch

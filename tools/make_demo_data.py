@@ -18,6 +18,12 @@ call the tool and copy its result (<tool_call>{"name": "python", "arguments": {"
 directly with a guess near the product (never right), the guess more often. GRPO has to learn
 that the tool pays. Numbers are written without spaces, so a number is the same tokens in the
 prompt, the code, the tool's output and the answer.
+
+--task shapes (vision-language models: the VLM quickstart) draws 96x96 images of two filled
+shapes, a large and a small one, in two of four colours, and asks "What colour is the largest
+shape?" (rows {"prompt", "images": ["images/00012.png"], "answer": "red"}). Its warm start
+teaches the answer format and two readings of the picture: the largest shape's colour (right)
+and the smallest's (wrong), the wrong one more often; GRPO has to discover that the largest pays.
 """
 import argparse
 import json
@@ -62,6 +68,48 @@ def tool_turns(row: dict, rng: random.Random, tool_share: float) -> list[dict]:
     return [{"role": "assistant", "content": f"Answer:{guess}"}]
 
 
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
+SHAPE_PROMPTS = ["What colour is the largest shape?", "Name the colour of the biggest shape.",
+                 "Which colour has the largest shape?"]
+
+
+def draw_shapes(rng: random.Random, size: int = 96):
+    """A white image with a large and a small shape (square or disc) of two colours, apart;
+    returns (image, large colour, small colour)."""
+    from PIL import Image, ImageDraw
+
+    large, small = rng.sample(sorted(COLOURS), 2)
+    big = _place(rng, size, rng.randint(size // 2, size * 2 // 3))
+    little = next(box for box in (_place(rng, size, rng.randint(size // 8, size // 5)) for _ in range(1000))
+                  if not _overlaps(box, big))
+    image = Image.new("RGB", (size, size), "white")
+    draw = ImageDraw.Draw(image)
+    for colour, box in ((large, big), (small, little)):
+        (draw.rectangle if rng.random() < 0.5 else draw.ellipse)(box, fill=COLOURS[colour])
+    return image, large, small
+
+
+def _place(rng: random.Random, size: int, side: int) -> tuple:
+    x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+    return (x, y, x + side - 1, y + side - 1)
+
+
+def _overlaps(a, b) -> bool:
+    return not (a[2] < b[0] or b[2] < a[0] or a[3] < b[1] or b[3] < a[1])
+
+
+def shape_rows(out: str, count: int, rng: random.Random) -> list[dict]:
+    """`count` images under out/images and their rows (image paths relative to out)."""
+    os.makedirs(os.path.join(out, "images"), exist_ok=True)
+    rows = []
+    for i in range(count):
+        image, large, small = draw_shapes(rng)
+        path = f"images/{i:05d}.png"
+        image.save(os.path.join(out, path))
+        rows.append({"prompt": rng.choice(SHAPE_PROMPTS), "images": [path], "answer": large, "small": small})
+    return rows
+
+
 def write_splits(out: str, rows: list[dict], eval_share: float, rng: random.Random) -> dict:
     """Shuffle the rows, hold out eval_share of them; write train.jsonl and eval.jsonl."""
     rng.shuffle(rows)
@@ -71,7 +119,7 @@ def write_splits(out: str, rows: list[dict], eval_share: float, rng: random.Rand
     for name, split in splits.items():
         with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
             for row in split:
-                f.write(json.dumps({"prompt": row["prompt"], "answer": row["answer"]}) + "\n")
+                f.write(json.dumps({k: row[k] for k in ("prompt", "images", "answer") if k in row}) + "\n")
     return splits
 
 
@@ -80,30 +128,36 @@ def write_warm_start(out: str, rows: list[dict], copies: int, answer) -> int:
     with open(os.path.join(out, "sft.jsonl"), "w") as f:
         for row in rows:
             for _ in range(copies):
-                f.write(json.dumps({"prompt": row["prompt"], **answer(row)}) + "\n")
+                images = {"images": row["images"]} if "images" in row else {}
+                f.write(json.dumps({"prompt": row["prompt"], **images, **answer(row)}) + "\n")
     return len(rows) * copies
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--task", choices=["add", "multiply"], default="add",
-                   help="add: short additions (default); multiply: 3-digit products, learned with the python tool")
+    p.add_argument("--task", choices=["add", "multiply", "shapes"], default="add",
+                   help="add: short additions (default); multiply: 3-digit products, learned with the python tool; "
+                        "shapes: the colour of the largest shape in an image (vision-language models)")
     p.add_argument("--max-operand", type=int, default=9, help="add: operands are 0..N (default 9)")
-    p.add_argument("--problems", type=int, default=2000, help="multiply: number of distinct products")
+    p.add_argument("--problems", type=int, default=2000, help="multiply, shapes: number of distinct problems")
     p.add_argument("--eval-share", type=float, default=0.2, help="share of prompts held out")
     p.add_argument("--sft-copies", type=int, default=None,
                    help="warm-start samples per prompt (default 8 for add, 2 for multiply)")
     p.add_argument("--worked-share", type=float, default=0.3,
-                   help="share of warm-start answers that are worked (add) or use the tool (multiply), "
-                        "always right")
+                   help="share of warm-start answers that are worked (add), use the tool (multiply) or "
+                        "name the largest shape (shapes): always right")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
     rng = random.Random(args.seed)
     if args.sft_copies is None:
-        args.sft_copies = 2 if args.task == "multiply" else 8
-    if args.task == "multiply":
+        args.sft_copies = {"multiply": 2, "shapes": 2}.get(args.task, 8)
+    if args.task == "shapes":
+        splits = write_splits(args.out, shape_rows(args.out, args.problems, rng), args.eval_share, rng)
+        count = write_warm_start(args.out, splits["train"], args.sft_copies, lambda row: {
+            "completion": f"Answer: {row['answer'] if rng.random() < args.worked_share else row['small']}"})
+    elif args.task == "multiply":
         splits = write_splits(args.out, products(args.problems, rng), args.eval_share, rng)
         count = write_warm_start(args.out, splits["train"], args.sft_copies,
                                  lambda row: {"turns": tool_turns(row, rng, args.worked_share)})

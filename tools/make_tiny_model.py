@@ -18,8 +18,10 @@ adds <tool_call>, </tool_call>, <tool_response> and </tool_response> as single t
 agentic quickstart's model).
 --arch picks the architecture: qwen2 (the default), qwen3 (per-head q/k RMSNorm, no attention
 bias, head_dim set apart from the hidden size), llama (Llama 3: llama3 rope scaling, theta 500k,
-an untied head) and mistral (an untied head, a 4,096-token sliding window). --tie-embeddings
-overrides the architecture's choice; --kv-heads below --heads gives grouped-query attention.
+an untied head), mistral (an untied head, a 4,096-token sliding window) and idefics3
+(SmolVLM's vision-language architecture: a SigLIP image encoder and a tied Llama language
+model, with the processor and image tokens; tools/tiny_vision.py). --tie-embeddings overrides
+the architecture's choice; --kv-heads below --heads gives grouped-query attention.
 The model is randomly initialised with transformers' own init (std 0.02) and saved as
 safetensors; head_dim is 64 (vLLM's CPU attention refuses smaller heads).
 """
@@ -42,6 +44,8 @@ from transformers import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tiny_vision import add_image_tokens, idefics3_config, save_processor
+
 from megagrpo.console import on_terminal, quiet_console
 from megagrpo.process_exit import exit_without_teardown
 
@@ -80,6 +84,7 @@ ARCHS = {
     "qwen3": (Qwen3Config, {"attention_bias": False}, True),
     "llama": (LlamaConfig, {"attention_bias": False, "mlp_bias": False}, False),
     "mistral": (MistralConfig, {"sliding_window": 4096}, False),
+    "idefics3": (LlamaConfig, {"attention_bias": False, "mlp_bias": False}, True),  # the language model's
 }
 
 
@@ -96,6 +101,11 @@ def model_config(args, **ids):
                         head_dim=args.hidden_size // args.heads, intermediate_size=args.intermediate_size,
                         max_position_embeddings=args.max_positions, tie_word_embeddings=tie,
                         rope_parameters=rope, torch_dtype=args.dtype, **extra, **ids)
+
+
+def auto_model_class(config):
+    from transformers import AutoModelForImageTextToText
+    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
 
 
 def corpus_texts(paths: list[str]):
@@ -189,6 +199,10 @@ def main(argv=None):
     p.add_argument("--tool-tokens", action="store_true",
                    help="add the tool-call markup (<tool_call>, <tool_response> and their ends) as single "
                         "tokens, as Qwen2.5's tokenizer has them")
+    p.add_argument("--image-size", type=int, default=96, help="(idefics3) image side the encoder takes")
+    p.add_argument("--patch-size", type=int, default=16, help="(idefics3) the encoder's patch side")
+    p.add_argument("--vision-hidden-size", type=int, default=128, help="(idefics3) encoder width (64 per head)")
+    p.add_argument("--vision-layers", type=int, default=2, help="(idefics3) encoder layers")
     p.add_argument("--config-only", action="store_true",
                    help="write config.json only (no weights, no tokenizer): enough for `megagrpo plan`")
     shape = p.parse_known_args(argv)[0].shape
@@ -198,21 +212,29 @@ def main(argv=None):
     quiet_console()  # no progress bars (transformers' `Writing model shards`) off a terminal
 
     torch.manual_seed(args.seed)
-    name = f"{shape or 'tiny'} {ARCHS[args.arch][0].__name__.removesuffix('Config')}"
+    kind = "Idefics3" if args.arch == "idefics3" else ARCHS[args.arch][0].__name__.removesuffix("Config")
+    name = f"{shape or 'tiny'} {kind}"
     if args.config_only:
         model_config(args).save_pretrained(args.out)
         print(f"{name} config (no weights) -> {args.out}")
         return
     tokenizer = build_tokenizer(args.corpus, args.vocab_size, pad_to_size=shape is not None,
                                 tool_tokens=args.tool_tokens)
+    vision = args.arch == "idefics3"
+    if vision:
+        add_image_tokens(tokenizer)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     args.vocab_size = len(tokenizer)
     config = model_config(args, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, args.dtype))
+    if vision:
+        config = idefics3_config(args, config, tokenizer)
+    model = auto_model_class(config).from_config(config).to(getattr(torch, args.dtype))
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
+    if vision:
+        save_processor(args, tokenizer, args.out)
     n = sum(p.numel() for p in model.parameters())
     print(f"{name}: {n / 1e6:.2f}M parameters, vocab {len(tokenizer)}, "
           f"head_dim {args.hidden_size // args.heads} -> {args.out}")

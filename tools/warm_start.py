@@ -12,6 +12,10 @@ and tool messages are tokenised exactly as the multi-turn rollout inserts them
 (megagrpo.rollout.agent.ToolMessageRenderer), outside the loss. One process, plain PyTorch
 AdamW. This is a separate, documented step of the quickstart: it gives the tiny model a policy
 that GRPO can improve within minutes on 2 CPU cores.
+
+A vision-language model's rows may carry images (an `images` field, paths relative to the data
+file): its processor renders them as the GRPO trainer does (megagrpo/multimodal), and the whole
+model, image encoder included, trains.
 """
 import argparse
 import json
@@ -21,19 +25,30 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megagrpo.config.schema import ImagesConfig
 from megagrpo.console import quiet_console
+from megagrpo.multimodal.images import row_images
+from megagrpo.multimodal.processor import encode_prompt, is_vision_language, join_image_tensors, load_processor
+from megagrpo.policy.models import auto_model_class
 from megagrpo.process_exit import exit_without_teardown
 from megagrpo.rollout.agent import ToolMessageRenderer
 from megagrpo.rollout.tools import PYTHON_SCHEMA
 
 
-def encode(tokenizer, row: dict, tools=None, renderer=None) -> tuple[list[int], list[int]]:
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
-                                           add_generation_prompt=True, **({"tools": tools} if tools else {}))
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+def encode(tokenizer, row: dict, tools=None, renderer=None, processor=None, base_dir="") -> tuple:
+    """(input ids, labels, the prompt's VisionPrompt or None)."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    vision = None
+    if processor is not None and row.get("images"):
+        messages, images = row_images(row, messages, "warm start row", base_dir, ImagesConfig())
+        ids, vision = encode_prompt(processor, messages, images, tools)
+    else:
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                               **({"tools": tools} if tools else {}))
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     labels = [-100] * len(ids)
     turns = row["turns"] if "turns" in row else [{"role": "assistant", "content": row["completion"]}]
     pending_tools = []
@@ -47,7 +62,7 @@ def encode(tokenizer, row: dict, tools=None, renderer=None) -> tuple[list[int], 
         if turn is not None:
             turn_ids = tokenizer(turn["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             ids, labels = ids + turn_ids, labels + turn_ids
-    return ids, labels
+    return ids, labels, vision
 
 
 def similar_lengths(batch: list, parts: int) -> list[list]:
@@ -60,12 +75,14 @@ def similar_lengths(batch: list, parts: int) -> list[list]:
     return [ordered[i:i + size] for i in range(0, len(ordered), size)]
 
 
-def pad(part: list, pad_id: int) -> dict:
-    """input_ids, attention_mask and labels of a micro-batch, right-padded to its longest row."""
-    width = max(len(ids) for ids, _ in part)
-    return {"input_ids": torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in part]),
-            "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in part]),
-            "labels": torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in part])}
+def pad(part: list, pad_id: int, model) -> dict:
+    """input_ids, attention_mask and labels of a micro-batch, right-padded to its longest row,
+    and the rows' image tensors (a vision-language model)."""
+    width = max(len(ids) for ids, _, _ in part)
+    images = join_image_tensors([vision for _, _, vision in part], model.config.model_type, model.dtype, "cpu")
+    return {"input_ids": torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _, _ in part]),
+            "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _, _ in part]),
+            "labels": torch.tensor([labels + [-100] * (width - len(labels)) for _, labels, _ in part]), **images}
 
 
 def main(argv=None):
@@ -93,11 +110,14 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = auto_model_class(args.model).from_pretrained(args.model, dtype=torch.float32)
+    processor = load_processor(args.model) if is_vision_language(args.model) else None
+    base_dir = os.path.dirname(os.path.abspath(args.data))
     with open(args.data) as f:
         tools = [PYTHON_SCHEMA] if "python" in args.tools else None
         renderer = ToolMessageRenderer(tokenizer, args.max_tool_response_tokens)
-        examples = [encode(tokenizer, json.loads(line), tools, renderer) for line in f if line.strip()]
+        examples = [encode(tokenizer, json.loads(line), tools, renderer, processor, base_dir)
+                    for line in f if line.strip()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / args.steps))
@@ -108,10 +128,10 @@ def main(argv=None):
         # the token mean over the whole batch; in micro-batches of similar lengths, their sum
         # (less padding: the same gradient up to rounding, in 2/3 of the time on multi-turn rows)
         mean = {} if args.micro_batches == 1 else {  # one batch: the model's own token mean
-            "num_items_in_batch": sum(sum(label != -100 for label in labels[1:]) for _, labels in batch)}
+            "num_items_in_batch": sum(sum(label != -100 for label in labels[1:]) for _, labels, _ in batch)}
         loss = 0.0
         for part in similar_lengths(batch, args.micro_batches):
-            part_loss = model(**pad(part, tokenizer.pad_token_id), **mean).loss
+            part_loss = model(**pad(part, tokenizer.pad_token_id, model), **mean).loss
             part_loss.backward()
             loss += part_loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -122,7 +142,7 @@ def main(argv=None):
             print(f"warm start step {step:4d}/{args.steps} loss {loss:.4f} "
                   f"({time.time() - start:.0f}s)", flush=True)
     model.save_pretrained(args.out, safe_serialization=True)
-    tokenizer.save_pretrained(args.out)
+    (processor or tokenizer).save_pretrained(args.out)
     print(f"warm-started model -> {args.out}")
 
 

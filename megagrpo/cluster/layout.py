@@ -99,6 +99,7 @@ def check_kv_cache(cfg: Config) -> None:
         return
     with open(path) as f:
         config = json.load(f)
+    config = config.get("text_config", config)  # a vision-language model's language model
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv_heads = -(-config.get("num_key_value_heads", heads) // generator_layout(cfg).generator_tp)

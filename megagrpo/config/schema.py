@@ -56,6 +56,10 @@ class ModelConfig:
     tiled_mlp: bool = False
     """DeepSpeed's TiledMLP in every decoder layer: the MLP runs on tiles of ~hidden-size tokens,
     recomputed in backward, so its intermediates never exist for a whole long row. ZeRO 0 or 3."""
+    freeze_vision_tower: bool = True
+    """A vision-language model's image encoder stays as loaded (no gradients, not synced to the
+    generator after the first load); the connector and the language model train. false: the
+    tower trains too (docs/multimodal.md)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA policy: train adapters only; the KL reference is the base model with the adapters
     disabled (no second model). Off while lora.r is 0."""
@@ -84,6 +88,27 @@ class DataConfig:
     target_field: str = "reference"
     """Row field holding the gold text that eval's BLEU, ROUGE and perplexity compare with
     (formerly `data.reference_field`)."""
+
+
+@dataclass
+class ImagesConfig:
+    """Images in prompts, for vision-language models (docs/multimodal.md): where rows keep them,
+    the resolution they reach the processor at, and what a bad one does."""
+
+    field: str = "images"
+    """Row field listing a row's images (paths relative to the data file, data URIs or base64);
+    rows may instead hold them as image parts of their `messages`."""
+    longest_edge: Optional[int] = None
+    """Images larger than this on their longer side are shrunk to it (aspect kept) before the
+    processor, which then applies its own bounds (Idefics3's size.longest_edge, Qwen-VL's
+    min_pixels/max_pixels); None: as stored."""
+    max_source_pixels: int = 40_000_000
+    """An image of more pixels (width x height, as stored) is refused before it is decoded."""
+    max_per_prompt: int = 4
+    """A row with more images than this is bad."""
+    on_bad_image: Literal["refuse", "drop"] = "refuse"
+    """A missing, unreadable, damaged or oversized image: refuse the run with a one-line error
+    naming the file, row and image, or drop its row, count it and name it on the console."""
 
 
 @dataclass
@@ -387,6 +412,7 @@ class Config:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    images: ImagesConfig = field(default_factory=ImagesConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -23,6 +23,7 @@ def check_config(cfg: Config, training: bool = True, planning: bool = False) -> 
                 f"model.name_or_path: '{cfg.model.name_or_path}' has no config.json; build the "
                 "tiny model with `python tools/make_tiny_model.py` or point it at an HF folder")
         check_dense(cfg.model.name_or_path)
+        check_vision_language(cfg)
     require(bool(cfg.data.train_file), "data.train_file is empty: set it to a JSONL/JSON/"
             "Parquet/CSV file or a hub dataset name")
     for key in ("train_file", "eval_file"):
@@ -144,6 +145,36 @@ def check_dense(model_path: str) -> None:
     require(experts is None, f"model.name_or_path: '{model_path}' is a mixture-of-experts model "
             f"({model.get('model_type')}, {experts}={model.get(experts)}); megagrpo trains dense models only (none of "
             "its parallel layouts or weight syncs handles experts yet): choose a dense model")
+
+
+TESTED_VISION_MODELS = ("idefics3", "smolvlm")
+"""Vision-language architectures trained end to end here (docs/multimodal.md)."""
+
+
+def check_vision_language(cfg: Config) -> None:
+    """A vision-language model goes where its path is tested, or is refused with the reason."""
+    with open(os.path.join(cfg.model.name_or_path, "config.json")) as f:
+        model = json.load(f)
+    if "vision_config" not in model:
+        return
+    kind, r = model.get("model_type"), cfg.rollout
+    where = f"model.name_or_path: '{cfg.model.name_or_path}' is a vision-language model ({kind})"
+    require(kind in TESTED_VISION_MODELS,
+            f"{where}; megagrpo trains {', '.join(TESTED_VISION_MODELS)} so far (Qwen-VL's 3-D positions "
+            "are not packed yet, and on the CPU stack vLLM's Qwen-VL needs torchvision: docs/multimodal.md)")
+    p = cfg.parallel
+    for key, value, why in [
+            ("parallel.tensor_parallel_size", p.tensor_parallel_size, "AutoTP has no split plan for the vision tower"),
+            ("parallel.pipeline_parallel_size", p.pipeline_parallel_size,
+             "the pipeline's layer map holds decoder layers only"),
+            ("parallel.sequence_parallel_size", p.sequence_parallel_size, "a row's image features would span sp ranks"),
+            ("rollout.max_turns", r.max_turns, "tool results are text; no multi-turn loop carries images yet")]:
+        require(value == 1, f"{key}: {value} with {where}: not supported ({why}); use 1")
+    require(not r.servers and r.placement == "colocated",
+            f"rollout.servers / rollout.placement=disaggregated with {where}: not supported (the servers' requests "
+            "carry token ids, not images, so far); use a co-located engine")
+    require(not cfg.model.lora.r, f"model.lora.r: {cfg.model.lora.r} with {where}: not supported yet (the adapters "
+            "would also wrap the vision tower's layers); train the full model")
 
 
 def _looks_local(path: str) -> bool:

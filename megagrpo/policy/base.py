@@ -74,9 +74,10 @@ class Policy:
 
     @property
     def trains_all_weights(self) -> bool:
-        """False for a LoRA policy: a step changes only its adapted layers, so a receiver that
-        already holds the rest can take full_tensors(changed_only=True)."""
-        return not self.is_lora
+        """False for a LoRA policy (a step changes only its adapted layers) and for a VLM with a
+        frozen vision tower: a receiver that already holds the rest can take
+        full_tensors(changed_only=True)."""
+        return not self.is_lora and all(p.requires_grad for p in self.hf_module.parameters())
 
     def layout(self) -> dict:
         """The run's layout as a checkpoint records it (TrainerState.layout); a checkpoint

@@ -5,6 +5,10 @@ A multi-turn completion (rollout/agent.py) is every token after the prompt, samp
 inserted tool messages alike; its model_mask becomes completion_mask, so the loss and every
 per-token statistic cover the sampled tokens only.
 
+A prompt with images (a vision-language model) keeps them beside its row: `vision` holds each
+row's multimodal.processor.VisionPrompt (the G rows of a prompt share one), whose image tensors
+the forward pass joins in row order (policy/logprobs.py).
+
 Layout: prompts left-padded to P, completions right-padded to C, so that position P-1+t of the
 logits predicts completion token t. Position ids count real tokens only, as the sampler does.
 """
@@ -44,6 +48,7 @@ class RolloutBatch:
     prompt_width: int
     ref_logp: Optional[torch.Tensor] = None   # (B, C)
     old_logp: Optional[torch.Tensor] = None   # (B, C)
+    vision: Optional[list] = None   # (B,) per row its VisionPrompt or None; None: no row has images
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -61,6 +66,8 @@ class RolloutBatch:
                 value = value[index]
                 if value.dim() == 2:
                     value = value[:, full_width if f.name in _FULL_WIDTH else slice(0, C)]
+            elif isinstance(value, list):
+                value = [value[i] for i in rows]
             values[f.name] = value
         values["prompt_width"] = P
         return RolloutBatch(**values)
@@ -84,8 +91,9 @@ class RolloutBatch:
 
 
 def make_batch(prompt_ids: list[list[int]], completions: list[Completion],
-               advantages: torch.Tensor, pad_id: int) -> RolloutBatch:
-    """One row per completion; prompt_ids[i] is the prompt of completions[i]."""
+               advantages: torch.Tensor, pad_id: int, visions: Optional[list] = None) -> RolloutBatch:
+    """One row per completion; prompt_ids[i] is the prompt of completions[i], visions[i] its
+    images (a VisionPrompt, or None)."""
     P = max(len(p) for p in prompt_ids)
     C = max(1, max(len(c.token_ids) for c in completions))
     B = len(completions)
@@ -108,4 +116,5 @@ def make_batch(prompt_ids: list[list[int]], completions: list[Completion],
         sampler_logp=sampler_logp, truncated=torch.tensor([c.truncated for c in completions]),
         advantages=advantages.float(), prompt_width=P,
         prompt_lens=torch.tensor([len(p) for p in prompt_ids]),
-        completion_lens=torch.tensor([len(c.token_ids) for c in completions]))
+        completion_lens=torch.tensor([len(c.token_ids) for c in completions]),
+        vision=list(visions) if visions is not None and any(v is not None for v in visions) else None)

@@ -7,6 +7,10 @@ Two switches, both on by default; both off give the plain path (what the tests c
            hidden states, never holding all N x V logits (fused_logprobs.py);
            off: full logits, log_softmax, gather.
 
+A vision-language model's rows bring their image tensors (batch.vision), joined in the order
+the rows' image tokens lie in the flattened input (multimodal/processor.py); log-probs are read
+at completion tokens only, so image tokens are never scored.
+
 Under sequence parallelism the micro-batch is one packed row, each rank of the sp group holding
 a slice of it, and the per-token results are gathered over the group (sequence_parallel.py).
 
@@ -21,6 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megagrpo.multimodal.processor import join_image_tensors
 from megagrpo.policy.fused_logprobs import fused_token_logprobs, logprobs_from_logits
 from megagrpo.policy.packing import pack
 from megagrpo.policy.sequence_parallel import SequenceParallel, gather_slices, slice_row
@@ -56,15 +61,17 @@ def install_logprob_head(model: torch.nn.Module, chunk_size: int) -> None:
     model.lm_head = LogprobHead(head, chunk_size)
 
 
-def _forward(model, input_ids, position_ids, attention_mask, positions, targets, temperature, fused):
+def _forward(model, input_ids, position_ids, attention_mask, positions, targets, temperature, fused,
+             images: Optional[dict] = None):
     """Run the model and read log p(target) and entropy at the flat `positions` of its
-    (rows x width) output. Returns two (K,) tensors."""
+    (rows x width) output; images: the rows' image tensors (keyword arguments of a VLM's
+    forward). Returns two (K,) tensors."""
     head = _head(model)
     if fused:
         head.request = (positions, targets, temperature)
     try:
         out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                    use_cache=False).logits
+                    use_cache=False, **(images or {})).logits
     finally:
         head.request = None
     if fused:
@@ -78,6 +85,14 @@ def _head(model) -> LogprobHead:
     if not isinstance(head, LogprobHead):
         raise TypeError("call install_logprob_head(model) before building the engine")
     return head
+
+
+def _image_inputs(model, batch, order: list, device) -> dict:
+    """The image tensors of batch rows `order` (in that order), for the model's forward."""
+    if batch.vision is None:
+        return {}
+    module = getattr(model, "module", model)
+    return join_image_tensors([batch.vision[i] for i in order], module.config.model_type, module.dtype, device)
 
 
 def _one_row(model) -> bool:
@@ -100,7 +115,7 @@ def completion_logprobs(model, batch, temperature: float, packing: bool = True, 
         if sp is None:
             logp, entropy = _forward(model, packed.input_ids.to(device), packed.position_ids.to(device),
                                      None, packed.predict_at.to(device), packed.targets.to(device),
-                                     temperature, fused)
+                                     temperature, fused, _image_inputs(model, batch, packed.order, device))
         else:
             row = slice_row(packed, sp)
             mine = _forward(model, row.input_ids.to(device), row.position_ids.to(device), None,
@@ -114,7 +129,8 @@ def completion_logprobs(model, batch, temperature: float, packing: bool = True, 
         positions = (torch.arange(B, device=device)[:, None] * width
                      + torch.arange(P - 1, P - 1 + C, device=device)[None, :]).reshape(-1)
         logp, entropy = _forward(model, batch.input_ids, batch.position_ids, batch.attention_mask,
-                                 positions, batch.completion_ids.reshape(-1), temperature, fused)
+                                 positions, batch.completion_ids.reshape(-1), temperature, fused,
+                                 _image_inputs(model, batch, list(range(B)), device))
         index = (torch.arange(C, device=device)[None, :] < batch.completion_lens[:, None]).nonzero(as_tuple=True)
         logp, entropy = logp.view(B, C)[index], entropy.view(B, C)[index]
     zeros = torch.zeros(batch.completion_ids.shape, dtype=logp.dtype, device=device)

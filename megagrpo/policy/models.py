@@ -21,6 +21,7 @@ from megagrpo.cluster.op_builds import say_if_cpu_adam_builds
 from megagrpo.config.deepspeed_json import read_deepspeed_config
 from megagrpo.config.schema import Config
 from megagrpo.dtypes import DTYPES
+from megagrpo.multimodal.processor import is_vision_language
 from megagrpo.policy.logprobs import install_logprob_head
 from megagrpo.policy.sequence_parallel import SequenceParallel, use_ulysses_attention
 from megagrpo.policy.tiled_mlp import tile_mlps
@@ -117,15 +118,34 @@ def attention_implementation() -> str:
     return "sdpa"
 
 
+def auto_model_class(path: str):
+    """transformers' auto class for the model at `path`: image-text-to-text for a
+    vision-language model (its config has a vision tower), else causal LM."""
+    from transformers import AutoModelForImageTextToText
+    return AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
+
+
+VISION_TOWER_PREFIXES = ("vision_model.", "visual.", "vision_tower.")  # Idefics3/SmolVLM, Qwen-VL, LLaVA
+
+
+def vision_tower_parameters(model: torch.nn.Module) -> list:
+    """A VLM's image-encoder parameters (not the connector that projects into the LM); [] for a
+    text model."""
+    return [p for name, p in model.named_parameters()
+            if any(f".{prefix}" in f".{name}" for prefix in VISION_TOWER_PREFIXES)]
+
+
 def load_model(cfg: Config, deepspeed_settings: DeepSpeedSettings, sp: Optional[SequenceParallel] = None):
     """The HF model from its folder, with the log-prob head installed (partitioned as it loads
     where the settings say so); sp: its attention made Ulysses over the sp group; with
     model.tiled_mlp its MLPs tiled (tiled_mlp.py)."""
     ds_config = deepspeed_settings.config
     dschf = HfDeepSpeedConfig(ds_config) if deepspeed_settings.partitions_while_loading else None  # noqa: F841
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path,
-                                                 dtype=DTYPES[cfg.model.dtype],
-                                                 attn_implementation=attention_implementation())
+    model = auto_model_class(cfg.model.name_or_path).from_pretrained(
+        cfg.model.name_or_path, dtype=DTYPES[cfg.model.dtype], attn_implementation=attention_implementation())
+    if cfg.model.freeze_vision_tower:
+        for param in vision_tower_parameters(model):
+            param.requires_grad_(False)
     install_logprob_head(model, cfg.grpo.logprob_chunk_size)
     if sp is not None:
         use_ulysses_attention(model, sp)

@@ -23,6 +23,7 @@ class PackedRows:
     targets: torch.Tensor        # (K,) those completion tokens
     rows: torch.Tensor           # (K,) row of each completion token in the (B, C) layout
     cols: torch.Tensor           # (K,) column of each completion token in the (B, C) layout
+    order: list                  # the sequences' indices in the order they lie in the flattened rows
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]],
@@ -46,10 +47,11 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
     width = max(loads)
     input_ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(bins), width), dtype=torch.long)
-    predict_at, targets, rows, cols = [], [], [], []
+    predict_at, targets, rows, cols, order = [], [], [], [], []
     for r, members in enumerate(bins):
         offset = 0
         for seq in sorted(members):
+            order.append(seq)
             prompt, completion = prompts[seq], completions[seq]
             n = len(prompt) + len(completion)
             input_ids[r, offset:offset + n] = torch.tensor(prompt + completion)
@@ -64,7 +66,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
     as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
     return PackedRows(input_ids=input_ids, position_ids=position_ids,
                       predict_at=as_long(predict_at), targets=as_long(targets),
-                      rows=as_long(rows), cols=as_long(cols))
+                      rows=as_long(rows), cols=as_long(cols), order=order)
 
 
 def balanced_microbatches(lengths: list[int], max_tokens: int, min_count: int = 1) -> list[list[int]]:

@@ -15,15 +15,17 @@ import deepspeed
 import torch
 
 
-def named_full_tensors(module: torch.nn.Module, bucket_mb: int = 256) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every parameter, whole: ZeRO-3 partitions are gathered per
-    bucket, and AutoTP (tensor-parallel) shards are gathered per layer inside it."""
+def named_full_tensors(module: torch.nn.Module, bucket_mb: int = 256,
+                       trained_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every parameter (trained_only: those that train, e.g. not a
+    frozen vision tower), whole: ZeRO-3 partitions are gathered per bucket, and AutoTP
+    (tensor-parallel) shards are gathered per layer inside it."""
     def units():
         seen = set()
         for module_name, owner in module.named_modules():
             for name, param in owner.named_parameters(recurse=False):
-                if id(param) in seen:  # tied weights are sent once, under their first name
-                    continue
+                if id(param) in seen or (trained_only and not param.requires_grad):
+                    continue  # tied weights are sent once, under their first name
                 seen.add(id(param))
                 yield [param], _whole(f"{module_name}.{name}" if module_name else name, param, owner)
     return stream_units(units(), bucket_mb)

@@ -121,4 +121,4 @@ class ZeroPolicy(Policy):
     def full_tensors(self, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         if self.is_lora:
             return lora.merged_full_tensors(self.engine.module, self.cfg.rollout.sync_bucket_mb, changed_only)
-        return named_full_tensors(self.engine.module, self.cfg.rollout.sync_bucket_mb)
+        return named_full_tensors(self.engine.module, self.cfg.rollout.sync_bucket_mb, trained_only=changed_only)

@@ -57,7 +57,9 @@ class GeneratorGroup:
         thread of rollout/ahead.py runs it): one generator call, or the multi-turn loop."""
         if self.agent is not None:
             return self.agent.generate(prompts, n=n, seeds=seeds, greedy=greedy)
-        return self.generator.generate([p.token_ids for p in prompts], n=n, seeds=seeds, greedy=greedy)
+        vision = [p.vision for p in prompts] if any(p.vision is not None for p in prompts) else None
+        return self.generator.generate([p.token_ids for p in prompts], n=n, seeds=seeds, greedy=greedy,
+                                       **({"vision": vision} if vision else {}))
 
     def logprobs(self, requests: list[tuple[list[int], int]]) -> list[list[float]]:
         """The generator's log-probs of each (token_ids, prompt_len)'s tail, pooled over the group."""

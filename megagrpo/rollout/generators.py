@@ -1,8 +1,8 @@
 """Generators (rollout engines): sample G completions per prompt and take new weights in place.
 
 Both have the same interface:
-    generate(prompt_ids, n, seeds, greedy=False, max_tokens=None) -> per prompt, n Completions
-    logprobs(requests) -> per (token_ids, prompt_len), the log-probs of token_ids[prompt_len:]
+    generate(prompt_ids, n, seeds, greedy=False, max_tokens=None, vision=None) -> per prompt, n Completions
+    logprobs(requests) -> per (token_ids, prompt_len[, vision]), the log-probs of token_ids[prompt_len:]
     load_weights(named_tensors, partial=False, step=0)   # (HF name, tensor) stream; no restart, no disk
     sleep() / wake_up(tags)       # free accelerator memory while the trainer runs
 
@@ -13,6 +13,10 @@ settings). `HFGenerator` runs transformers' generate on its own copy of the mode
 fallback, and the correctness reference for the vLLM path.
 Sampler logprobs are log-softmax(logits / temperature) of the sampled token, as the trainer
 computes them (vLLM's processed_logprobs).
+A prompt with images comes with its multimodal.processor.VisionPrompt (`vision`, per prompt):
+vLLM gets the images as multi_modal_data beside the template's tokens and expands the image
+placeholders itself, which is checked against the processor's expansion that the trainer
+scores; transformers gets the processor's image tensors.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch
 from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.config.schema import Config
 from megagrpo.console import on_terminal
+from megagrpo.multimodal.processor import join_image_tensors
 from megagrpo.policy.batch import Completion
 from megagrpo.rollout.vllm_models import refresh_tied_lm_head, skip_input_embedding_prepack
 from megagrpo.rollout.vllm_settings import vllm_settings
@@ -76,10 +81,11 @@ class VLLMGenerator:
         for name in (RELOAD_LOGGER, INPLACE_LOGGER):
             logging.getLogger(name).addFilter(self.reload_warnings)
 
-    def generate(self, prompt_ids: list[list[int]], n: int, seeds: list[int],
-                 greedy: bool = False, max_tokens: list[int] | None = None) -> list[list[Completion]]:
+    def generate(self, prompt_ids: list[list[int]], n: int, seeds: list[int], greedy: bool = False,
+                 max_tokens: list[int] | None = None, vision: list | None = None) -> list[list[Completion]]:
         """n samples per prompt; prompt i's samples depend only on seeds[i] and the weights.
-        max_tokens: per prompt, the most tokens to sample (default rollout.max_new_tokens)."""
+        max_tokens: per prompt, the most tokens to sample (default rollout.max_new_tokens);
+        vision: per prompt, its VisionPrompt or None."""
         from vllm import SamplingParams
 
         self.wake_up()
@@ -88,23 +94,32 @@ class VLLMGenerator:
             n=n, temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
             max_tokens=max_tokens[i] if max_tokens else r.max_new_tokens, stop=list(r.stop) or None,
             logprobs=0, seed=seed) for i, seed in enumerate(seeds)]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
+        visions = vision or [None] * len(prompt_ids)
+        outputs = self.llm.generate([_engine_prompt(ids, v) for ids, v in zip(prompt_ids, visions)], params,
                                     use_tqdm=False)
+        for ids, out in zip(prompt_ids, outputs):
+            _check_expansion(ids, out.prompt_token_ids)
         return [[Completion(token_ids=list(c.token_ids),
                             logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
                             truncated=c.finish_reason == "length")
                  for c in out.outputs] for out in outputs]
 
-    def logprobs(self, requests: list[tuple[list[int], int]]) -> list[list[float]]:
-        """Per (token_ids, prompt_len): the log-probs of token_ids[prompt_len:] given what
-        precedes them (prompt_logprobs), all in one engine call."""
+    def logprobs(self, requests: list[tuple]) -> list[list[float]]:
+        """Per (token_ids, prompt_len[, vision]): the log-probs of token_ids[prompt_len:] given
+        what precedes them (prompt_logprobs), all in one engine call."""
         from vllm import SamplingParams
 
         self.wake_up()
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in requests],
-                                    SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        prompts = []
+        for ids, start, *vision in requests:
+            vision = vision[0] if vision else None
+            prompt = _engine_prompt(ids[:start], vision)
+            prompts.append({**prompt, "prompt_token_ids": prompt["prompt_token_ids"] + ids[start:]})
+        outputs = self.llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        for (ids, *_), out in zip(requests, outputs):
+            _check_expansion(ids, out.prompt_token_ids)
         return [[out.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))]
-                for out, (ids, start) in zip(outputs, requests)]
+                for out, (ids, start, *_) in zip(outputs, requests)]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False,
                      step: int = 0) -> None:
@@ -118,6 +133,11 @@ class VLLMGenerator:
             self.reload_warnings.partial = False
         self.llm.collective_rpc(_refresh_tied_lm_head)
         self.llm.reset_prefix_cache()
+        if self.llm.model_config.is_multimodal_model:
+            # Image features from the old weights must go; and the worker's reload clears its
+            # encoder cache but not the scheduler's record of it, which then asks for features
+            # that are gone ("Encoder cache miss", vllm 0.32): reset both (docs/upstream-issues.md).
+            self.llm.llm_engine.reset_encoder_cache()
 
     def sleep(self) -> None:
         # Level 1 keeps a CPU copy of the weights; level 2 would drop them and a wake-up
@@ -134,6 +154,24 @@ class VLLMGenerator:
             if tag in self.asleep:
                 self.llm.wake_up(tags=[tag])
                 self.asleep.discard(tag)
+
+
+def _engine_prompt(token_ids: list[int], vision) -> dict:
+    """vLLM's input for one prompt: its token ids, or with images the template's tokens (one
+    placeholder per image, which vLLM expands) and the images."""
+    if vision is None:
+        return {"prompt_token_ids": token_ids}
+    return {"prompt_token_ids": list(vision.template_ids), "multi_modal_data": {"image": vision.images}}
+
+
+def _check_expansion(expected: list[int], ran: list[int]) -> None:
+    """vLLM's image-token expansion must be the processor's, or the trainer would score other
+    tokens than were sampled."""
+    if list(ran) != list(expected):
+        first = next((i for i, (a, b) in enumerate(zip(ran, expected)) if a != b), min(len(ran), len(expected)))
+        raise RuntimeError(f"vLLM expanded an image prompt into {len(ran)} tokens where the model's processor "
+                           f"gives {len(expected)} (first difference at token {first}); the processor's settings "
+                           "(images.longest_edge, its preprocessor_config) and vLLM's must agree")
 
 
 class _ExpectedReloadWarnings(logging.Filter):
@@ -173,27 +211,27 @@ def _input_embeddings_skip_gemm_prepack(worker) -> None:
 
 class HFGenerator:
     def __init__(self, cfg: Config, model_path: str, seed: int):
-        from transformers import AutoModelForCausalLM
-
         from megagrpo.dtypes import DTYPES
-        from megagrpo.policy.models import load_tokenizer
+        from megagrpo.policy.models import auto_model_class, load_tokenizer
 
         self.cfg = cfg.rollout
         device = f"cuda:{torch.cuda.current_device()}" if _on_gpu() else "cpu"
-        self.model = AutoModelForCausalLM.from_pretrained(
+        self.model = auto_model_class(model_path).from_pretrained(
             model_path, dtype=DTYPES[cfg.model.dtype]).to(device).eval()
         tokenizer = load_tokenizer(model_path)
         self.pad_id, self.eos_id, self.tokenizer = tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer
         self.device = device
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], n: int, seeds: list[int],
-                 greedy: bool = False, max_tokens: list[int] | None = None) -> list[list[Completion]]:
+    def generate(self, prompt_ids: list[list[int]], n: int, seeds: list[int], greedy: bool = False,
+                 max_tokens: list[int] | None = None, vision: list | None = None) -> list[list[Completion]]:
         """n samples per prompt from one batched generate; the samples depend on all the seeds
         and on the batch (transformers samples a batch from one generator). With max_tokens
-        (per prompt), the batch samples the largest and each row is cut to its own."""
+        (per prompt), the batch samples the largest and each row is cut to its own; vision:
+        per prompt, its VisionPrompt or None."""
         r = self.cfg
         rows = [ids for ids in prompt_ids for _ in range(n)]
+        images = self._images([v for v in (vision or [None] * len(prompt_ids)) for _ in range(n)])
         caps = [cap for cap in (max_tokens or [r.max_new_tokens] * len(prompt_ids)) for _ in range(n)]
         width = max(len(ids) for ids in rows)
         input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in rows],
@@ -208,7 +246,7 @@ class HFGenerator:
                 top_p=r.top_p if not greedy else None, top_k=(r.top_k if r.top_k > 0 else None) if not greedy else None,
                 max_new_tokens=max(caps), eos_token_id=self.eos_id, pad_token_id=self.pad_id,
                 stop_strings=list(r.stop) or None, tokenizer=self.tokenizer if r.stop else None,
-                return_dict_in_generate=True, output_logits=True)
+                return_dict_in_generate=True, output_logits=True, **images)
         generated = out.sequences[:, width:]
         temperature = 1.0 if greedy else r.temperature
         logprobs = torch.stack(out.logits, dim=1).float().div(temperature).log_softmax(-1)
@@ -227,13 +265,16 @@ class HFGenerator:
                 truncated=self.eos_id not in ids[:end] and end == caps[row]))
         return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 
+    def _images(self, visions: list) -> dict:
+        return join_image_tensors(visions, self.model.config.model_type, self.model.dtype, self.device)
+
     @torch.no_grad()
-    def logprobs(self, requests: list[tuple[list[int], int]]) -> list[list[float]]:
-        """Per (token_ids, prompt_len): the log-probs of token_ids[prompt_len:] given what precedes them."""
+    def logprobs(self, requests: list[tuple]) -> list[list[float]]:
+        """Per (token_ids, prompt_len[, vision]): the log-probs of token_ids[prompt_len:] given what precedes them."""
         scores = []
-        for token_ids, prompt_len in requests:
+        for token_ids, prompt_len, *vision in requests:
             ids = torch.tensor([token_ids], device=self.device)
-            logp = self.model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+            logp = self.model(input_ids=ids, **self._images(vision)).logits[0, :-1].float().log_softmax(-1)
             scores.append(logp[torch.arange(len(token_ids) - 1), ids[0, 1:]][prompt_len - 1:].tolist())
         return scores
 
