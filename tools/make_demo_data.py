@@ -79,9 +79,12 @@ def draw_shapes(rng: random.Random, size: int = 96):
     from PIL import Image, ImageDraw
 
     large, small = rng.sample(sorted(COLOURS), 2)
-    big = _place(rng, size, rng.randint(size // 2, size * 2 // 3))
-    little = next(box for box in (_place(rng, size, rng.randint(size // 8, size // 5)) for _ in range(1000))
-                  if not _overlaps(box, big))
+    while True:  # a small shape a quarter to a third of the side, beside a large one of half to 2/3
+        big = _place(rng, size, rng.randint(size // 2, size * 2 // 3))
+        side = rng.randint(size // 4, size // 3)
+        little = next((box for box in (_place(rng, size, side) for _ in range(100)) if not _overlaps(box, big)), None)
+        if little is not None:
+            break
     image = Image.new("RGB", (size, size), "white")
     draw = ImageDraw.Draw(image)
     for colour, box in ((large, big), (small, little)):

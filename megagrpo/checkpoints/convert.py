@@ -50,12 +50,13 @@ from megagrpo.checkpoints.checkpoint import ADAPTER_CONFIG, MARKER
 from megagrpo.checkpoints.safetensors_writer import write_safetensors
 from megagrpo.config.schema import ConfigError
 from megagrpo.dtypes import DTYPES
+from megagrpo.multimodal.processor import PROCESSOR_FILES
 from megagrpo.policy import lora
 from megagrpo.process_exit import exit_without_teardown
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
-                 "tokenizer.model", "added_tokens.json")
+                 "tokenizer.model", "added_tokens.json", *PROCESSOR_FILES)
 
 
 class ConvertError(ValueError):
@@ -288,7 +289,7 @@ def hf_to_pipeline(model: str, out: str, stages: int, dtype: str = None, log=pri
 
 
 def _copy_side_files(model: str, out: str, dtype: str = None) -> None:
-    """Config, generation config and tokenizer files; the config's dtype set to the output's."""
+    """Config, generation config, tokenizer and processor files; the config's dtype set to the output's."""
     for name in HF_SIDE_FILES:
         if os.path.isfile(os.path.join(model, name)):
             shutil.copy(os.path.join(model, name), os.path.join(out, name))

@@ -7,6 +7,7 @@ import os
 import torch.distributed as dist
 
 from megagrpo.checkpoints.safetensors_writer import write_safetensors
+from megagrpo.multimodal.processor import copy_processor_files
 from megagrpo.policy import lora
 
 
@@ -24,7 +25,7 @@ def export(policy, tokenizer, output_dir: str, is_main: bool) -> dict[str, str]:
 def export_hf(module, tensors, tokenizer, out_dir: str, is_main: bool, shard_mb: int = 2048) -> None:
     """Collective: write an HF folder that AutoModelForCausalLM and vLLM load unchanged: the
     whole-tensor stream `tensors` (every rank iterates it) goes into safetensors shards on
-    the main rank, with `module`'s config and the tokenizer."""
+    the main rank, with `module`'s config, the tokenizer and (a VLM) the processor's files."""
     write_safetensors(tensors, out_dir, shard_mb, write=is_main)
     if is_main:
         use_cache = module.config.use_cache
@@ -34,5 +35,6 @@ def export_hf(module, tensors, tokenizer, out_dir: str, is_main: bool, shard_mb:
         if getattr(module, "generation_config", None) is not None:
             module.generation_config.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
+        copy_processor_files(module.name_or_path, out_dir)  # a vision-language model's
     if dist.is_initialized():
         dist.barrier()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,10 @@ import torch
 # Qwen-VL's flatten every image's patches on axis 0 (pixel_values (patches, dim), image_grid_thw
 # (images, 3)) and are joined there.
 IMAGES_PER_ROW = {"idefics3", "smolvlm", "idefics2"}
+
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+"""A processor's files beside the tokenizer's, which exports and conversions copy."""
 
 
 @dataclass
@@ -47,6 +52,13 @@ def model_config(path: str) -> dict:
 def is_vision_language(path: str) -> bool:
     """Whether the model at `path` takes images (its config has a vision tower)."""
     return "vision_config" in model_config(path)
+
+
+def copy_processor_files(model_path: str, out_dir: str) -> None:
+    """The processor's files of the model folder at `model_path` (if any) into `out_dir`."""
+    for name in PROCESSOR_FILES:
+        if os.path.isfile(os.path.join(model_path, name)):
+            shutil.copy(os.path.join(model_path, name), os.path.join(out_dir, name))
 
 
 def load_processor(path: str):
