@@ -78,6 +78,17 @@ KNOWN_NOISE = (
     Noise("vllm.model_executor.models.utils", "Attempted to load weight",
           "a float32 checkpoint (tools/get_model.py's default) loaded into a bfloat16 engine: each weight is rounded "
           "to bfloat16, exactly as the trainer rounds it when model.dtype is bfloat16, so both hold the same values"),
+    Noise("transformers.configuration_utils", "Model config: pad_token_id must be `None` or an integer within the "
+          "vocabulary (between 0 and 31999), got 128002", "transformers builds Idefics3's default config (a "
+          "32,000-token Llama text config beside Idefics3's pad id 128002) to compare a real one with, when it saves "
+          "or loads it; the model's own config holds its own ids"),
+    Noise("transformers.utils.import_utils",
+          "`Idefics3ImageProcessor` requires torchvision (not installed); falling back",
+          "the CPU stack has no torchvision (launch/install.sh); the PIL image processor is the one megagrpo uses and "
+          "tests there (docs/multimodal.md)"),
+    Noise("vllm.config.model", "Model does not support mm_device_do_normalize, forcing mm_device_do_normalize = False",
+          "vLLM's default asks to normalise images on the device; Idefics3's processor normalises them, as the "
+          "trainer's does (tests/test_multimodal.py holds vLLM's log-probs to the trainer's)"),
     Noise(_CPU_WORKER, "libtcmalloc is not found in LD_PRELOAD",
           "a speed hint for CPU inference that does not hold for a trainer sharing the process: measured, "
           "tcmalloc was not faster and kept more memory (docs/cpu-stack.md, Allocator)"),

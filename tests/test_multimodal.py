@@ -159,7 +159,8 @@ def test_image_rows_logprobs_packed_padded_fused_naive_and_alone_agree(vlm):
 def _vlm_overrides(vlm, out, **extra):
     """configs/tiny_vlm.yaml on the random model; its completions are random tokens, so the
     reward is their length's distance from 12 characters (answer_match would give all zeros)."""
-    values = {"rewards.functions": "[{name: length_penalty, args: {target: 12}}]","model.name_or_path": vlm["model"], "data.train_file": os.path.join(vlm["data"], "train.jsonl"),
+    values = {"rewards.functions": "[{name: length_penalty, args: {target: 12}}]",
+              "model.name_or_path": vlm["model"], "data.train_file": os.path.join(vlm["data"], "train.jsonl"),
               "data.eval_file": "null", "output_dir": str(out), "logging.progress_bar": "false",
               "logging.sample_steps": 0, "checkpoint.save_steps": 0, "grpo.learning_rate": 1e-3, **extra}
     return ["--config", "configs/tiny_vlm.yaml", *[f"{k}={v}" for k, v in values.items()]]

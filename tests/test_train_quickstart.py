@@ -1,5 +1,6 @@
 """Learning: the quickstart's tiny fast path (TINY=1: tiny model, 2 CPU ranks, ZeRO-3, vLLM)
-raises held-out accuracy by at least 20 points, on a quiet console. Runs launch/quickstart.sh
+raises held-out accuracy by at least 20 points, on a quiet console; so do the agentic (AGENT=1)
+and the vision-language (VLM=1, by at least 30 points) variants. Runs launch/quickstart.sh
 itself, as a user would. (Its default, the real model, takes 10 minutes: its parts are tested in
 test_train_real_model.py, and its numbers are in docs/real-models.md.)"""
 import json
@@ -18,7 +19,7 @@ QUICKSTART_CONSOLE = [
     r"megagrpo: install(ing the \w+ stack into|:) .*",  # each phase of a fresh install
     r"== [123]/3 .*",
     r"wrote \d+ train and \d+ eval prompts .*",
-    r"tiny Qwen2: [\d.]+M parameters, .* -> \S+",
+    r"tiny (Qwen2|Idefics3): [\d.]+M parameters, .* -> \S+",
     r"warm start step +\d+/\d+ loss [\d.]+ \(\d+s\)",
     r"warm-started model -> \S+",
     r"\[megagrpo\] world \d+ = dp \d+ x tp \d+ x pp \d+, vLLM tp \d+; .*",
@@ -101,3 +102,23 @@ def test_agent_quickstart_learns_to_use_the_tool(tmp_path):
     rates = re.search(r"held-out tool-call rate: ([\d.]+)% before GRPO -> ([\d.]+)% after", proc.stdout)
     assert rates and float(rates.group(2)) > float(rates.group(1)) + 20, proc.stdout[-3000:]
     assert "configs/tiny_agent.yaml" in proc.stdout
+
+
+@pytest.mark.multirank
+def test_vlm_quickstart_learns_to_read_the_image(tmp_path):
+    """VLM=1, every phase: a tiny Idefics3 warm-started to name the wrong colour of the largest
+    shape is lifted by GRPO by at least 30 points of held-out accuracy (measured: 0.5% -> 99.8%),
+    vLLM sampling what the trainer scores at every step, on a quiet console."""
+    proc = run(["bash", "launch/quickstart.sh"], timeout=900,
+               env={"VLM": "1", "RUN_DIR": str(tmp_path / "vlm"), "MASTER_PORT": str(free_port())})
+    results = json.load(open(tmp_path / "vlm" / "grpo" / "eval_results.json"))
+    before = results["before"]["rewards/answer_match"]
+    after = results["after"]["rewards/answer_match"]
+    assert before <= 0.2 and after - before >= 0.30, results
+    assert "configs/tiny_vlm.yaml" in proc.stdout and "tiny Idefics3:" in proc.stdout
+    rows = [json.loads(line) for line in open(tmp_path / "vlm" / "grpo" / "metrics.jsonl")]
+    gaps = [row["train/sampling/sampling_logp_difference/max"] for row in rows
+            if "train/sampling/sampling_logp_difference/max" in row]
+    assert len(gaps) == 30 and max(gaps) < 1e-4, gaps
+    noise = [line for output in (proc.stdout, proc.stderr) for line in unexpected_console_lines(output)]
+    assert not noise, "lines on the VLM quickstart's console that its list does not allow:\n" + "\n".join(noise)

@@ -23,7 +23,9 @@ prompt, the code, the tool's output and the answer.
 shapes, a large and a small one, in two of four colours, and asks "What colour is the largest
 shape?" (rows {"prompt", "images": ["images/00012.png"], "answer": "red"}). Its warm start
 teaches the answer format and two readings of the picture: the largest shape's colour (right)
-and the smallest's (wrong), the wrong one more often; GRPO has to discover that the largest pays.
+and a mistaken one (the next colour in a fixed cycle: red is called green, green blue, ...),
+the mistake more often, so the warm-started model answers mostly wrong; GRPO has to discover
+that the right reading pays.
 """
 import argparse
 import json
@@ -69,6 +71,7 @@ def tool_turns(row: dict, rng: random.Random, tool_share: float) -> list[dict]:
 
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
+MISTAKEN = {"red": "green", "green": "blue", "blue": "yellow", "yellow": "red"}  # the warm start's wrong reading
 SHAPE_PROMPTS = ["What colour is the largest shape?", "Name the colour of the biggest shape.",
                  "Which colour has the largest shape?"]
 
@@ -79,9 +82,9 @@ def draw_shapes(rng: random.Random, size: int = 96):
     from PIL import Image, ImageDraw
 
     large, small = rng.sample(sorted(COLOURS), 2)
-    while True:  # a small shape a quarter to a third of the side, beside a large one of half to 2/3
+    while True:  # a small shape an eighth to a fifth of the side, beside a large one of half to 2/3
         big = _place(rng, size, rng.randint(size // 2, size * 2 // 3))
-        side = rng.randint(size // 4, size // 3)
+        side = rng.randint(size // 8, size // 5)
         little = next((box for box in (_place(rng, size, side) for _ in range(100)) if not _overlaps(box, big)), None)
         if little is not None:
             break
@@ -106,10 +109,10 @@ def shape_rows(out: str, count: int, rng: random.Random) -> list[dict]:
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     rows = []
     for i in range(count):
-        image, large, small = draw_shapes(rng)
+        image, large, _ = draw_shapes(rng)
         path = f"images/{i:05d}.png"
         image.save(os.path.join(out, path))
-        rows.append({"prompt": rng.choice(SHAPE_PROMPTS), "images": [path], "answer": large, "small": small})
+        rows.append({"prompt": rng.choice(SHAPE_PROMPTS), "images": [path], "answer": large})
     return rows
 
 
@@ -159,7 +162,7 @@ def main(argv=None):
     if args.task == "shapes":
         splits = write_splits(args.out, shape_rows(args.out, args.problems, rng), args.eval_share, rng)
         count = write_warm_start(args.out, splits["train"], args.sft_copies, lambda row: {
-            "completion": f"Answer: {row['answer'] if rng.random() < args.worked_share else row['small']}"})
+            "completion": f"Answer: {row['answer'] if rng.random() < args.worked_share else MISTAKEN[row['answer']]}"})
     elif args.task == "multiply":
         splits = write_splits(args.out, products(args.problems, rng), args.eval_share, rng)
         count = write_warm_start(args.out, splits["train"], args.sft_copies,
