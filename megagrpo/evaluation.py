@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from megagrpo.multimodal.images import thumbnail_data_uri
 from megagrpo.process_exit import exit_without_teardown
 from megagrpo.rollout.agent import Trajectory
 from megagrpo.rollout.generators import EVAL_STEP, sampling_seed
@@ -120,14 +121,16 @@ def score_prompts(stack, prompts, indices: list[int], field_names: list[str]) ->
                   "ref_logprob": None, "ref_tokens": 0}
         if conversations is not None:
             record["trajectories"] = conversations[rows]
+        if prompt.vision is not None:  # what the model saw, small, for the report
+            record["images"] = [thumbnail_data_uri(image) for image in prompt.vision.images]
         if target is not None and stack.topology.generates:
             target_ids = stack.tokenizer(str(target), add_special_tokens=False)["input_ids"][:max_new_tokens]
             if target_ids:
-                targets.append((record, list(prompt.token_ids) + target_ids, len(prompt.token_ids)))
+                targets.append((record, list(prompt.token_ids) + target_ids, len(prompt.token_ids), prompt.vision))
         records.append(record)
-    scored = stack.logprobs([(ids, start) for _, ids, start in targets])
+    scored = stack.logprobs([(ids, start, vision) if vision else (ids, start) for _, ids, start, vision in targets])
     if scored is not None:
-        for (record, ids, start), logprobs in zip(targets, scored):
+        for (record, ids, start, _), logprobs in zip(targets, scored):
             record["ref_logprob"], record["ref_tokens"] = float(sum(logprobs)), len(ids) - start
     return records
 

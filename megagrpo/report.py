@@ -173,14 +173,16 @@ def render(run_dir: str, out_dir: str = None) -> str:
         for r in samples:
             completion = (r.get("completions") or [""])[0]
             reward = (r.get("reward") or [float("nan")])[0]
-            parts.append(f"<tr><td>{html.escape(str(r.get('prompt'))[:400])}</td>"
+            images = "".join(f'<br><img class="sample" alt="image {i + 1}" src="{html.escape(uri)}">'
+                             for i, uri in enumerate(r.get("images") or []) if str(uri).startswith("data:image/"))
+            parts.append(f"<tr><td>{html.escape(str(r.get('prompt'))[:400])}{images}</td>"
                          f"<td><pre>{html.escape(str(completion)[:800])}</pre></td><td>{reward:.3f}</td></tr>")
         parts.append("</table>")
     else:
         parts.append("<p>no held-out samples (data.eval_file not set)</p>")
     parts.append("</section>")
     page = ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>megagrpo report</title><style>"
-            "body{font-family:sans-serif;margin:2em;max-width:60em}img{max-width:100%}"
+            "body{font-family:sans-serif;margin:2em;max-width:60em}img{max-width:100%}img.sample{width:96px}"
             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px;vertical-align:top;"
             "font-size:0.85em}pre{white-space:pre-wrap;margin:0}</style></head><body>"
             + "\n".join(parts) + "</body></html>")

@@ -4,9 +4,10 @@ built by tools/make_tiny_model.py and the shapes task of tools/make_demo_data.py
   is one line naming the file, the row and the image, or a counted drop;
 - the trainer's log-probs of image rows: packed = padded = fused = naive = each row alone
   through transformers, and the image changes them;
-- dp=2 under ZeRO-3 equals one rank (loss, grad norm, every parameter after 2 steps), vLLM's
-  sampler log-probs equal the trainer's at every step (the sync with a frozen tower), and the
-  export loads back with its processor;
+- dp=2 under ZeRO-3 equals one rank (loss, grad norm, every parameter after 2 steps), and a
+  resume on one rank from its checkpoint; vLLM's sampler log-probs equal the trainer's at every
+  step (the sync with a frozen tower); the export and the offline conversion hold the same
+  weights and load back with the processor;
 - the weight sync of a trained vision tower: vLLM scores an image prompt as the trainer does
   after a step, and differently from before it.
 The VLM quickstart's learning is held in test_train_quickstart.py."""
@@ -18,8 +19,9 @@ import sys
 
 import pytest
 import torch
-from conftest import run, torchrun, write_jsonl
+from conftest import BIN, run, torchrun, write_jsonl
 from runs import assert_same_run, series
+from safetensors.torch import load_file
 
 from megagrpo.config.schema import ImagesConfig
 from megagrpo.data import DataError, load_prompts
@@ -170,19 +172,31 @@ def _vlm_overrides(vlm, out, **extra):
 def test_dp2_zero3_equals_one_rank_and_vllm_samples_what_the_trainer_scores(vlm, tmp_path):
     two, one = tmp_path / "dp2", tmp_path / "dp1"
     run([*torchrun(2, "-m", "megagrpo.train"), *_vlm_overrides(vlm, two, **{
-        "grpo.max_steps": 2, "grpo.per_device_train_batch_size": 16})])
+        "grpo.max_steps": 2, "grpo.per_device_train_batch_size": 16, "checkpoint.save_steps": 1})])
     run([sys.executable, "-m", "megagrpo.train", *_vlm_overrides(vlm, one, **{
         "grpo.max_steps": 2, "grpo.per_device_train_batch_size": 32})])
     assert_same_run(two, one, loss_atol=1e-5, grad_norm_rtol=1e-4, param_atol=1e-5)
+    # resumed on one rank from the dp=2 checkpoint of step 1 (frozen tower included), step 2 is the same
+    resumed = tmp_path / "resumed"
+    run([sys.executable, "-m", "megagrpo.train", *_vlm_overrides(vlm, resumed, **{
+        "grpo.max_steps": 2, "grpo.per_device_train_batch_size": 32,
+        "checkpoint.resume": two / "checkpoints" / "step_00000001"})])
+    assert_same_run(resumed, two, steps=[2], loss_atol=1e-5, grad_norm_rtol=1e-4, param_atol=1e-5)
     for out in (one, two):
         # step 2 samples with the weights synced after step 1 (the language model and the
         # connector; the frozen tower is not sent)
         gaps = series(out, "train/sampling/sampling_logp_difference/max")
         assert [s for s, _ in gaps] == [1, 2] and all(gap < 1e-4 for _, gap in gaps), gaps
-    from transformers import AutoProcessor
-    exported = auto_model_class(str(one / "hf")).from_pretrained(str(one / "hf"))
-    assert type(exported).__name__ == "Idefics3ForConditionalGeneration"
-    assert AutoProcessor.from_pretrained(str(one / "hf")).image_seq_len == 9
+    # the export and the offline conversion of the dp=2 checkpoint: the same weights, with the
+    # processor's files, loading back in transformers
+    run([f"{BIN}/megagrpo", "convert", "to-hf", str(two / "checkpoints" / "step_00000002"), str(tmp_path / "hf")])
+    converted = load_file(str(tmp_path / "hf" / "model-00001.safetensors"))
+    live = load_file(str(two / "hf" / "model.safetensors"))
+    assert sorted(converted) == sorted(live) and all(torch.equal(converted[k], live[k]) for k in live)
+    for folder in (two / "hf", tmp_path / "hf"):
+        model = auto_model_class(str(folder)).from_pretrained(str(folder))
+        assert type(model).__name__ == "Idefics3ForConditionalGeneration"
+        assert load_processor(str(folder)).image_seq_len == 9
 
 
 @pytest.mark.multirank

@@ -8,7 +8,7 @@ import re
 import shutil
 
 import pytest
-from conftest import free_port, run
+from conftest import BIN, free_port, run
 
 # What the quickstart's console (stdout and stderr) may show, from start to end (issue 25): the
 # install summary, the three phases with their own lines, the layout, the start-up time, the
@@ -122,3 +122,11 @@ def test_vlm_quickstart_learns_to_read_the_image(tmp_path):
     assert len(gaps) == 30 and max(gaps) < 1e-4, gaps
     noise = [line for output in (proc.stdout, proc.stderr) for line in unexpected_console_lines(output)]
     assert not noise, "lines on the VLM quickstart's console that its list does not allow:\n" + "\n".join(noise)
+    # the exported folder (weights and processor) scores the held-out images as the live run did
+    run([f"{BIN}/megagrpo", "eval", "--model", str(tmp_path / "vlm" / "grpo" / "hf"), "--data",
+         str(tmp_path / "vlm" / "data" / "eval.jsonl"), "--output", str(tmp_path / "eval"),
+         "rewards.functions=[{name: answer_match}]"])
+    exported = json.load(open(tmp_path / "eval" / "eval_results.json"))
+    assert exported["rewards/answer_match"] == after, (exported, results["after"])
+    samples = [json.loads(line) for line in open(tmp_path / "eval" / "eval_samples.jsonl")]
+    assert all(len(s["images"]) == 1 and s["images"][0].startswith("data:image/png;base64,") for s in samples)

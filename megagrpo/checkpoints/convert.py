@@ -182,7 +182,7 @@ def _pipeline_tensors(layer_files):
 def _zero3_tensors(model_file, optim_files, window_mb: int = 16):
     """ZeRO-3: in each parameter group, parameter p (numel n, in param_shapes order) occupies
     ceil(n / world) elements of every rank's flat float32 group, at the same offset on each
-    rank; the ranks' slices concatenated, cut to n, give the parameter.
+    rank; the ranks' slices concatenated, cut to n, give the parameter. Frozen parameters follow.
 
     The optimizer files are memory-mapped; pages read stay resident while the mapping lives,
     so the files are mapped afresh every `window_mb` of parameters read: memory stays near the
@@ -212,6 +212,17 @@ def _zero3_tensors(model_file, optim_files, window_mb: int = 16):
             raise ConvertError(f"{optim_files[0]}: parameter group {index} holds "
                                f"{flat_groups[0][index].numel()} elements per rank, its parameters "
                                f"{offset}; not a ZeRO-3 layout this reader knows")
+    yield from _zero3_frozen_tensors(optim_files)
+
+
+def _zero3_frozen_tensors(optim_files):
+    """ZeRO-3's frozen parameters (a VLM's frozen vision tower) have no optimizer state: each
+    rank's model-states file holds its fragment (ceil(n / world) elements, in rank order), beside
+    the full shapes."""
+    states = [_load(f.replace("_optim_states.pt", "_model_states.pt")) for f in optim_files]
+    for name, shape in (states[0].get("frozen_param_shapes") or {}).items():
+        numel = math.prod(shape)
+        yield name, torch.cat([state["frozen_param_fragments"][name] for state in states])[:numel].view(shape)
 
 
 def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: int = 2048, log=print) -> None:

@@ -153,3 +153,13 @@ def row_images(row: dict, messages: list, where: str, base_dir: str, images_cfg)
     images = [open_image(ref, base_dir, f"{where}: image {place}", images_cfg.max_source_pixels,
                          images_cfg.longest_edge) for ref, place in zip(refs, places)]
     return messages, images
+
+
+def thumbnail_data_uri(image: Image.Image, side: int = 128) -> str:
+    """A PNG data URI of the image, at most `side` pixels on its longer side (eval samples and
+    `megagrpo report` show what the model saw)."""
+    small = image.copy()
+    small.thumbnail((side, side))
+    buffer = io.BytesIO()
+    small.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
