@@ -125,7 +125,7 @@ def load_prompts(path: str, tokenizer, max_prompt_length: int, prompt_field: str
                                               images_cfg)
             except ImageError as e:
                 if images_cfg.on_bad_image == "refuse":
-                    raise
+                    raise DataError(str(e)) from None
                 bad_images.append(str(e))
                 continue
             ids, vision = encode_prompt(processor, messages, images, tools)

@@ -73,7 +73,7 @@ LAYERS = [
     ("megagrpo", "dtypes", "console", "process_exit", "config"),  # megagrpo: the package's own __init__
     ("cluster",),
     ("sandbox",),
-    ("algorithm",),
+    ("algorithm", "multimodal"),
     ("policy",),
     ("data",),
     ("rollout",),

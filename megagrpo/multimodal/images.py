@@ -26,11 +26,10 @@ import os
 
 from PIL import Image
 
-from megagrpo.data import DataError
 
-
-class ImageError(DataError):
-    """A row's image cannot be used; the message names the row, the image and the cause."""
+class ImageError(ValueError):
+    """A row's image cannot be used; the message names the row, the image and the cause
+    (data.py raises it as a DataError, or drops the row)."""
 
 
 def _short(ref: str) -> str:
