@@ -8,6 +8,7 @@ built by tools/make_tiny_model.py and the shapes task of tools/make_demo_data.py
   resume on one rank from its checkpoint; vLLM's sampler log-probs equal the trainer's at every
   step (the sync with a frozen tower); the export and the offline conversion hold the same
   weights and load back with the processor;
+- a LoRA VLM (adapters on the language model only): dp=2 under ZeRO-3 equals one rank;
 - the weight sync of a trained vision tower: vLLM scores an image prompt as the trainer does
   after a step, and differently from before it.
 The VLM quickstart's learning is held in test_train_quickstart.py."""
@@ -197,6 +198,24 @@ def test_dp2_zero3_equals_one_rank_and_vllm_samples_what_the_trainer_scores(vlm,
         model = auto_model_class(str(folder)).from_pretrained(str(folder))
         assert type(model).__name__ == "Idefics3ForConditionalGeneration"
         assert load_processor(str(folder)).image_seq_len == 9
+
+
+@pytest.mark.multirank
+def test_lora_vlm_dp2_zero3_equals_one_rank(vlm, tmp_path):
+    """Adapters on the language model only (the encoder and the connector stay as loaded): dp=2
+    under ZeRO-3 equals one rank, and vLLM samples with the merged weights what the trainer scores."""
+    lora = {"model.lora.r": 8, "grpo.max_steps": 2}
+    two, one = tmp_path / "dp2", tmp_path / "dp1"
+    run([*torchrun(2, "-m", "megagrpo.train"), *_vlm_overrides(vlm, two, **lora,
+                                                              **{"grpo.per_device_train_batch_size": 16})])
+    run([sys.executable, "-m", "megagrpo.train", *_vlm_overrides(vlm, one, **lora,
+                                                               **{"grpo.per_device_train_batch_size": 32})])
+    assert_same_run(two, one, loss_atol=1e-5, grad_norm_rtol=1e-4, param_atol=1e-5)
+    targets = json.load(open(one / "adapter" / "adapter_config.json"))["target_modules"]
+    assert targets and all(t.startswith("model.text_model.layers.") for t in targets), targets
+    for out in (one, two):
+        gaps = series(out, "train/sampling/sampling_logp_difference/max")
+        assert [s for s, _ in gaps] == [1, 2] and all(gap < 1e-4 for _, gap in gaps), gaps
 
 
 @pytest.mark.multirank

@@ -173,8 +173,6 @@ def check_vision_language(cfg: Config) -> None:
     require(not r.servers and r.placement == "colocated",
             f"rollout.servers / rollout.placement=disaggregated with {where}: not supported (the servers' requests "
             "carry token ids, not images, so far); use a co-located engine")
-    require(not cfg.model.lora.r, f"model.lora.r: {cfg.model.lora.r} with {where}: not supported yet (the adapters "
-            "would also wrap the vision tower's layers); train the full model")
 
 
 def _looks_local(path: str) -> bool:

@@ -29,6 +29,21 @@ import torch
 IMAGES_PER_ROW = {"idefics3", "smolvlm", "idefics2"}
 
 
+VISION_TOWER_PREFIXES = ("vision_model.", "visual.", "vision_tower.")  # Idefics3/SmolVLM, Qwen-VL, LLaVA
+CONNECTOR_PREFIXES = ("connector.", "multi_modal_projector.")  # Idefics3, LLaVA (Qwen-VL's merger is in visual.)
+
+
+def in_vision_tower(name: str) -> bool:
+    """Whether a parameter or module name of a VLM is part of its image encoder."""
+    return any(f".{prefix}" in f".{name}" for prefix in VISION_TOWER_PREFIXES)
+
+
+def in_language_model(name: str) -> bool:
+    """Whether a parameter or module name of a VLM is part of its language model (neither the
+    image encoder nor the connector that projects into the language model)."""
+    return not in_vision_tower(name) and not any(f".{prefix}" in f".{name}" for prefix in CONNECTOR_PREFIXES)
+
+
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 """A processor's files beside the tokenizer's, which exports and conversions copy."""
 

@@ -24,6 +24,7 @@ from typing import Iterator, Optional
 import torch
 
 from megagrpo.config.schema import Config, ConfigError, LoraConfig, require
+from megagrpo.multimodal.processor import in_language_model
 
 ADAPTER = "default"  # peft's adapter name; the only one a policy has
 ALL_LINEAR = "all-linear"
@@ -33,10 +34,26 @@ def lora_alpha(lora: LoraConfig) -> float:
     return float(lora.alpha) if lora.alpha is not None else 2.0 * lora.r
 
 
-def peft_config(lora: LoraConfig, base_model: str = ""):
+def target_modules(lora: LoraConfig, model: torch.nn.Module):
+    """peft's target_modules for `model`: as configured for a text model. For a vision-language
+    model, the full names of the language model's linear layers that the targets match: peft's
+    all-linear, and short names such as q_proj, would also match the image encoder's and the
+    connector's layers (docs/multimodal.md)."""
+    if not hasattr(model.config, "vision_config"):
+        return ALL_LINEAR if ALL_LINEAR in lora.target_modules else list(lora.target_modules)
+    return sorted(name for name in _linear_layers(model)
+                  if in_language_model(name) and any(_is_target(name, t) for t in lora.target_modules))
+
+
+def peft_config(lora: LoraConfig, base_model: str = "", targets=None):
+    """peft's LoraConfig; targets: target_modules(lora, model) where the model is known, else
+    read from the base model's config (a VLM's language-model layers)."""
     import peft
 
-    targets = ALL_LINEAR if ALL_LINEAR in lora.target_modules else list(lora.target_modules)
+    if targets is None:
+        local = bool(base_model) and os.path.isfile(os.path.join(base_model, "config.json"))
+        targets = target_modules(lora, meta_model(base_model)) if local else (
+            ALL_LINEAR if ALL_LINEAR in lora.target_modules else list(lora.target_modules))
     return peft.LoraConfig(r=lora.r, lora_alpha=lora_alpha(lora), lora_dropout=lora.dropout,
                            target_modules=targets, modules_to_save=list(lora.modules_to_save) or None,
                            bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model or None)
@@ -49,7 +66,7 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig, seed: int):
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return peft.get_peft_model(model, peft_config(lora, model.config.name_or_path))
+        return peft.get_peft_model(model, peft_config(lora, model.config.name_or_path, target_modules(lora, model)))
 
 
 def adapters_disabled(module: torch.nn.Module):
@@ -85,10 +102,11 @@ def check_lora(cfg: Config) -> None:
 
 def meta_model(path: str):
     """The model of an HF folder's config on the meta device (no memory, no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return auto.from_config(config)
 
 
 def _linear_layers(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
@@ -112,8 +130,10 @@ def count_trained_parameters(model_path: str, lora: LoraConfig) -> int:
     """Parameters a LoRA policy trains: r x (in + out) per adapted linear layer, plus the
     modules to save; from the model's config on the meta device."""
     model = meta_model(model_path)
+    targets = target_modules(lora, model)
+    targets = [targets] if isinstance(targets, str) else targets
     adapters = sum(lora.r * (m.in_features + m.out_features) for name, m in _linear_layers(model).items()
-                   if any(_is_target(name, t) for t in lora.target_modules))
+                   if any(_is_target(name, t) for t in targets))
     saved = sum(p.numel() for name, m in model.named_modules()
                 if any(_is_saved(name, t) for t in lora.modules_to_save) for p in m.parameters())
     return adapters + saved
@@ -129,6 +149,8 @@ def check_target_modules(lora: LoraConfig, model_path: str) -> None:
         require(any(_is_target(n, target) for n in linear),
                 f"model.lora.target_modules: '{target}' matches no linear layer of {model_path}; its linear "
                 f"layers are {', '.join(short)} (or use all-linear)")
+    require(bool(target_modules(lora, model)), f"model.lora.target_modules: {list(lora.target_modules)} match "
+            f"no linear layer of the language model of {model_path} (the image encoder is not adapted)")
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     for module in lora.modules_to_save:
         require(any(_is_saved(n, module) for n in names),

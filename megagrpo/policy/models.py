@@ -21,7 +21,7 @@ from megagrpo.cluster.op_builds import say_if_cpu_adam_builds
 from megagrpo.config.deepspeed_json import read_deepspeed_config
 from megagrpo.config.schema import Config
 from megagrpo.dtypes import DTYPES
-from megagrpo.multimodal.processor import is_vision_language
+from megagrpo.multimodal.processor import in_vision_tower, is_vision_language
 from megagrpo.policy.logprobs import install_logprob_head
 from megagrpo.policy.sequence_parallel import SequenceParallel, use_ulysses_attention
 from megagrpo.policy.tiled_mlp import tile_mlps
@@ -125,14 +125,10 @@ def auto_model_class(path: str):
     return AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
 
 
-VISION_TOWER_PREFIXES = ("vision_model.", "visual.", "vision_tower.")  # Idefics3/SmolVLM, Qwen-VL, LLaVA
-
-
 def vision_tower_parameters(model: torch.nn.Module) -> list:
     """A VLM's image-encoder parameters (not the connector that projects into the LM); [] for a
     text model."""
-    return [p for name, p in model.named_parameters()
-            if any(f".{prefix}" in f".{name}" for prefix in VISION_TOWER_PREFIXES)]
+    return [p for name, p in model.named_parameters() if in_vision_tower(name)]
 
 
 def load_model(cfg: Config, deepspeed_settings: DeepSpeedSettings, sp: Optional[SequenceParallel] = None):
