@@ -36,7 +36,7 @@ elif [ "${LORA:-0}" = 1 ]; then
   RUN_DIR="${RUN_DIR:-runs/tiny}" CONFIG=configs/tiny_lora.yaml TASK=add TOOLS="" TOOL_TOKENS="" GRPO_DIR=grpo_lora
 elif [ "$VLM" = 1 ]; then
   # images of two shapes; "what colour is the largest?" (docs/multimodal.md)
-  RUN_DIR="${RUN_DIR:-runs/vlm}" CONFIG=configs/tiny_vlm.yaml TASK=shapes TOOLS="--steps 400" TOOL_TOKENS="--arch idefics3"
+  RUN_DIR="${RUN_DIR:-runs/vlm}" CONFIG=configs/tiny_vlm.yaml TASK=shapes TOOLS="--steps 250" TOOL_TOKENS="--arch idefics3"
 elif [ "$AGENT" = 1 ]; then
   # multi-turn rows differ in length: the warm start pads each half of a length-sorted batch alone
   RUN_DIR="${RUN_DIR:-runs/agent}" CONFIG=configs/tiny_agent.yaml TASK=multiply TOOLS="--tools python --micro-batches 2 --steps 400"

@@ -107,7 +107,7 @@ def test_agent_quickstart_learns_to_use_the_tool(tmp_path):
 @pytest.mark.multirank
 def test_vlm_quickstart_learns_to_read_the_image(tmp_path):
     """VLM=1, every phase: a tiny Idefics3 warm-started to name the wrong colour of the largest
-    shape is lifted by GRPO by at least 30 points of held-out accuracy (measured: 0.5% -> 99.8%),
+    shape is lifted by GRPO by at least 30 points of held-out accuracy (measured: 0.2% -> 99.5%),
     vLLM sampling what the trainer scores at every step, on a quiet console."""
     proc = run(["bash", "launch/quickstart.sh"], timeout=900,
                env={"VLM": "1", "RUN_DIR": str(tmp_path / "vlm"), "MASTER_PORT": str(free_port())})
@@ -119,7 +119,7 @@ def test_vlm_quickstart_learns_to_read_the_image(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "vlm" / "grpo" / "metrics.jsonl")]
     gaps = [row["train/sampling/sampling_logp_difference/max"] for row in rows
             if "train/sampling/sampling_logp_difference/max" in row]
-    assert len(gaps) == 30 and max(gaps) < 1e-4, gaps
+    assert len(gaps) == 20 and max(gaps) < 1e-4, gaps
     noise = [line for output in (proc.stdout, proc.stderr) for line in unexpected_console_lines(output)]
     assert not noise, "lines on the VLM quickstart's console that its list does not allow:\n" + "\n".join(noise)
     # the exported folder (weights and processor) scores the held-out images as the live run did
