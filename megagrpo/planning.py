@@ -81,18 +81,32 @@ def model_config(model_path: str):
 
 
 def count_parameters(model_path: str) -> tuple[int, int]:
-    """(all parameters, those AutoTP splits) from the model's config, on the meta device."""
-    from transformers import AutoModelForCausalLM
+    """(all parameters, those AutoTP splits) from the model's config, on the meta device (a
+    vision-language model's image encoder and connector included)."""
+    from megagrpo.policy.models import auto_model_class_of
 
     config = model_config(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class_of(config).from_config(config)
     total = sharded = 0
     for name, param in model.named_parameters():
         total += param.numel()
         if ".layers." in name and param.dim() == 2:
             sharded += param.numel()
     return total, sharded
+
+
+def vision_tower_parameter_count(model_path: str) -> int:
+    """A vision-language model's image-encoder parameters (0 for a text model), on the meta device."""
+    from megagrpo.multimodal.processor import in_vision_tower
+    from megagrpo.policy.models import auto_model_class_of
+
+    config = model_config(model_path)
+    if not hasattr(config, "vision_config"):
+        return 0
+    with torch.device("meta"):
+        model = auto_model_class_of(config).from_config(config)
+    return sum(p.numel() for name, p in model.named_parameters() if in_vision_tower(name))
 
 
 def planned_host_peak_gib(cfg: Config, world_size: int) -> Optional[float]:
@@ -122,6 +136,8 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
         local = max(ModelParts(cfg.model.name_or_path, torch.float32, "sdpa").stage_parameters(pp, tp))
     lora = cfg.model.lora.r > 0
     trained = count_trained_parameters(cfg.model.name_or_path, cfg.model.lora) if lora else local
+    if not lora and cfg.model.freeze_vision_tower:
+        trained -= vision_tower_parameter_count(cfg.model.name_or_path)
     held = local + trained if lora else local  # a LoRA policy: the frozen base and its adapters
     weight_b, grad_b, optim_b = BYTES[cfg.model.dtype]
     generator_tp = generator_layout(cfg).generator_tp
@@ -217,7 +233,7 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int, tokens: Optional[i
     micro-batch's activations (tokens, by default microbatch_tokens; each sp rank holds 1/sp of
     them) and the fused log-prob head's working set; the optimizer step's come after them. vLLM
     on CPU does not sleep, so its engine is held throughout there."""
-    config = model_config(cfg.model.name_or_path)
+    config = model_config(cfg.model.name_or_path).get_text_config()  # a VLM's language model
     device = _device()
     g, r = cfg.grpo, cfg.rollout
     weight_b = 4 if cfg.model.dtype == "float32" else 2

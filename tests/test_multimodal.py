@@ -24,12 +24,14 @@ from conftest import BIN, run, torchrun, write_jsonl
 from runs import assert_same_run, series
 from safetensors.torch import load_file
 
-from megagrpo.config.schema import ImagesConfig
+from megagrpo.config.schema import ConfigError, ImagesConfig
 from megagrpo.data import DataError, load_prompts
 from megagrpo.multimodal.processor import join_image_tensors, load_processor
+from megagrpo.planning import make_plan
 from megagrpo.policy.batch import Completion, make_batch
 from megagrpo.policy.logprobs import completion_logprobs, install_logprob_head
 from megagrpo.policy.models import auto_model_class, load_tokenizer
+from megagrpo.validation import load_config
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +159,37 @@ def test_image_rows_logprobs_packed_padded_fused_naive_and_alone_agree(vlm):
                              torch.zeros(len(rows)), tokenizer.pad_token_id, [rows[2].vision] * len(rows))
         other = completion_logprobs(model, swapped, 0.7)[0]
     assert (other[0] - results[True, True][0]).abs().max() > 1e-3, "the image does not reach the model"
+
+
+REFUSED_WITH_IMAGES = [
+    ("parallel.tensor_parallel_size=2", "AutoTP has no split plan for the vision tower"),
+    ("parallel.pipeline_parallel_size=2", "the pipeline's layer map holds decoder layers only"),
+    ("parallel.sequence_parallel_size=2", "a row's image features would span sp ranks"),
+    ("rollout.max_turns=2", "no multi-turn loop carries images yet"),
+    ("rollout.placement=disaggregated", "the servers' requests carry token ids, not images"),
+]
+
+
+@pytest.mark.parametrize("override,reason", REFUSED_WITH_IMAGES)
+def test_layouts_a_vlm_does_not_take_are_refused_with_the_reason(vlm, tmp_path, override, reason):
+    with pytest.raises(ConfigError, match="is a vision-language model \\(idefics3\\)") as error:
+        load_config("configs/tiny_vlm.yaml", _vlm_overrides(vlm, tmp_path)[2:] + [override])
+    assert reason in str(error.value)
+
+
+def test_the_planner_counts_a_vlm(vlm, tmp_path):
+    """All parameters (encoder and connector too); trained: all but the frozen encoder, or a LoRA
+    policy's adapters on the language model's linear layers."""
+    model = auto_model_class(vlm["model"]).from_pretrained(vlm["model"])
+    params = dict(model.named_parameters())
+    tower = sum(p.numel() for name, p in params.items() if ".vision_model." in f".{name}")
+    plan = make_plan(load_config("configs/tiny_vlm.yaml", _vlm_overrides(vlm, tmp_path)[2:]), world_size=2)
+    assert plan.params_total == sum(p.numel() for p in params.values()) and tower > 0
+    assert plan.params_trained == plan.params_total - tower
+    lora = load_config("configs/tiny_vlm.yaml", _vlm_overrides(vlm, tmp_path)[2:] + ["model.lora.r=8"])
+    assert make_plan(lora, world_size=2).params_trained == sum(
+        8 * (m.in_features + m.out_features) for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.startswith("model.text_model."))
 
 
 def _vlm_overrides(vlm, out, **extra):

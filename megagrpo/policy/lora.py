@@ -102,11 +102,12 @@ def check_lora(cfg: Config) -> None:
 
 def meta_model(path: str):
     """The model of an HF folder's config on the meta device (no memory, no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
+
+    from megagrpo.policy.models import auto_model_class_of
     config = AutoConfig.from_pretrained(path)
-    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
-        return auto.from_config(config)
+        return auto_model_class_of(config).from_config(config)
 
 
 def _linear_layers(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:

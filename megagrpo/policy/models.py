@@ -125,6 +125,12 @@ def auto_model_class(path: str):
     return AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
 
 
+def auto_model_class_of(config):
+    """auto_model_class for a loaded config (a hub model's, the planner's)."""
+    from transformers import AutoModelForImageTextToText
+    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+
+
 def vision_tower_parameters(model: torch.nn.Module) -> list:
     """A VLM's image-encoder parameters (not the connector that projects into the LM); [] for a
     text model."""
