@@ -26,11 +26,12 @@ from safetensors.torch import load_file
 
 from megagrpo.config.schema import ConfigError, ImagesConfig
 from megagrpo.data import DataError, load_prompts
+from megagrpo.multimodal.auto import auto_model_class
 from megagrpo.multimodal.processor import join_image_tensors, load_processor
 from megagrpo.planning import make_plan
 from megagrpo.policy.batch import Completion, make_batch
 from megagrpo.policy.logprobs import completion_logprobs, install_logprob_head
-from megagrpo.policy.models import auto_model_class, load_tokenizer
+from megagrpo.policy.models import load_tokenizer
 from megagrpo.validation import load_config
 
 

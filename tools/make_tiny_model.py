@@ -34,7 +34,6 @@ import sys
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
-    AutoModelForCausalLM,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
@@ -47,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiny_vision import add_image_tokens, idefics3_config, save_processor
 
 from megagrpo.console import on_terminal, quiet_console
+from megagrpo.multimodal.auto import auto_model_class_of
 from megagrpo.process_exit import exit_without_teardown
 
 # ChatML. With tools, a system block lists them in one line (name(arguments)), and `tool`
@@ -101,11 +101,6 @@ def model_config(args, **ids):
                         head_dim=args.hidden_size // args.heads, intermediate_size=args.intermediate_size,
                         max_position_embeddings=args.max_positions, tie_word_embeddings=tie,
                         rope_parameters=rope, torch_dtype=args.dtype, **extra, **ids)
-
-
-def auto_model_class(config):
-    from transformers import AutoModelForImageTextToText
-    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
 
 
 def corpus_texts(paths: list[str]):
@@ -228,7 +223,7 @@ def main(argv=None):
     config = model_config(args, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     if vision:
         config = idefics3_config(args, config, tokenizer)
-    model = auto_model_class(config).from_config(config).to(getattr(torch, args.dtype))
+    model = auto_model_class_of(config).from_config(config).to(getattr(torch, args.dtype))
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)

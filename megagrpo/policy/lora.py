@@ -104,7 +104,7 @@ def meta_model(path: str):
     """The model of an HF folder's config on the meta device (no memory, no weights read)."""
     from transformers import AutoConfig
 
-    from megagrpo.policy.models import auto_model_class_of
+    from megagrpo.multimodal.auto import auto_model_class_of
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         return auto_model_class_of(config).from_config(config)

@@ -14,14 +14,15 @@ from typing import Optional
 
 import deepspeed
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
 from megagrpo.cluster.op_builds import say_if_cpu_adam_builds
 from megagrpo.config.deepspeed_json import read_deepspeed_config
 from megagrpo.config.schema import Config
 from megagrpo.dtypes import DTYPES
-from megagrpo.multimodal.processor import in_vision_tower, is_vision_language
+from megagrpo.multimodal.auto import auto_model_class
+from megagrpo.multimodal.processor import in_vision_tower
 from megagrpo.policy.logprobs import install_logprob_head
 from megagrpo.policy.sequence_parallel import SequenceParallel, use_ulysses_attention
 from megagrpo.policy.tiled_mlp import tile_mlps
@@ -116,19 +117,6 @@ def attention_implementation() -> str:
     if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
-
-
-def auto_model_class(path: str):
-    """transformers' auto class for the model at `path`: image-text-to-text for a
-    vision-language model (its config has a vision tower), else causal LM."""
-    from transformers import AutoModelForImageTextToText
-    return AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
-
-
-def auto_model_class_of(config):
-    """auto_model_class for a loaded config (a hub model's, the planner's)."""
-    from transformers import AutoModelForImageTextToText
-    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
 
 
 def vision_tower_parameters(model: torch.nn.Module) -> list:
