@@ -35,6 +35,6 @@ def export_hf(module, tensors, tokenizer, out_dir: str, is_main: bool, shard_mb:
         if getattr(module, "generation_config", None) is not None:
             module.generation_config.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
-        copy_processor_files(module.name_or_path, out_dir)  # a vision-language model's
+        copy_processor_files(module.config.name_or_path, out_dir)  # a vision-language model's
     if dist.is_initialized():
         dist.barrier()

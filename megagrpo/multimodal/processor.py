@@ -71,6 +71,8 @@ def is_vision_language(path: str) -> bool:
 
 def copy_processor_files(model_path: str, out_dir: str) -> None:
     """The processor's files of the model folder at `model_path` (if any) into `out_dir`."""
+    if not model_path or not os.path.isdir(model_path):
+        return
     for name in PROCESSOR_FILES:
         if os.path.isfile(os.path.join(model_path, name)):
             shutil.copy(os.path.join(model_path, name), os.path.join(out_dir, name))
