@@ -83,7 +83,7 @@ def model_config(model_path: str):
 def count_parameters(model_path: str) -> tuple[int, int]:
     """(all parameters, those AutoTP splits) from the model's config, on the meta device (a
     vision-language model's image encoder and connector included)."""
-    from megagrpo.multimodal.auto import auto_model_class_of
+    from megagrpo.multimodal.models import auto_model_class_of
 
     config = model_config(model_path)
     with torch.device("meta"):
@@ -98,8 +98,7 @@ def count_parameters(model_path: str) -> tuple[int, int]:
 
 def vision_tower_parameter_count(model_path: str) -> int:
     """A vision-language model's image-encoder parameters (0 for a text model), on the meta device."""
-    from megagrpo.multimodal.auto import auto_model_class_of
-    from megagrpo.multimodal.processor import in_vision_tower
+    from megagrpo.multimodal.models import auto_model_class_of, in_vision_tower
 
     config = model_config(model_path)
     if not hasattr(config, "vision_config"):

@@ -28,7 +28,8 @@ from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import Config, ConfigError
 from megagrpo.data import Prompt, PromptOrder, load_prompts, record_prompts
-from megagrpo.multimodal.processor import is_vision_language, load_processor
+from megagrpo.multimodal.models import is_vision_language
+from megagrpo.multimodal.processor import load_processor
 from megagrpo.policy.models import load_tokenizer
 from megagrpo.rewards import RewardFunction, Rewards, build_reward_functions, close_reward_functions, compute_rewards
 from megagrpo.rollout.agent import AgentLoop, agent_metrics, answer_texts, completion_fields

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from megagrpo.config.schema import ConfigError, ImagesConfig
 from megagrpo.data import DataError, load_prompts
-from megagrpo.multimodal.auto import auto_model_class
+from megagrpo.multimodal.models import auto_model_class
 from megagrpo.multimodal.processor import join_image_tensors, load_processor
 from megagrpo.planning import make_plan
 from megagrpo.policy.batch import Completion, make_batch

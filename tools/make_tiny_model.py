@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tiny_vision import add_image_tokens, idefics3_config, save_processor
 
 from megagrpo.console import on_terminal, quiet_console
-from megagrpo.multimodal.auto import auto_model_class_of
+from megagrpo.multimodal.models import auto_model_class_of
 from megagrpo.process_exit import exit_without_teardown
 
 # ChatML. With tools, a system block lists them in one line (name(arguments)), and `tool`

@@ -30,9 +30,9 @@ from transformers import AutoTokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megagrpo.config.schema import ImagesConfig
 from megagrpo.console import quiet_console
-from megagrpo.multimodal.auto import auto_model_class
 from megagrpo.multimodal.images import row_images
-from megagrpo.multimodal.processor import encode_prompt, is_vision_language, join_image_tensors, load_processor
+from megagrpo.multimodal.models import auto_model_class, is_vision_language
+from megagrpo.multimodal.processor import encode_prompt, join_image_tensors, load_processor
 from megagrpo.process_exit import exit_without_teardown
 from megagrpo.rollout.agent import ToolMessageRenderer
 from megagrpo.rollout.tools import PYTHON_SCHEMA

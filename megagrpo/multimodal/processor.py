@@ -16,7 +16,6 @@ positions in that order, so one concatenation serves padded batches and packed r
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -29,21 +28,6 @@ import torch
 IMAGES_PER_ROW = {"idefics3", "smolvlm", "idefics2"}
 
 
-VISION_TOWER_PREFIXES = ("vision_model.", "visual.", "vision_tower.")  # Idefics3/SmolVLM, Qwen-VL, LLaVA
-CONNECTOR_PREFIXES = ("connector.", "multi_modal_projector.")  # Idefics3, LLaVA (Qwen-VL's merger is in visual.)
-
-
-def in_vision_tower(name: str) -> bool:
-    """Whether a parameter or module name of a VLM is part of its image encoder."""
-    return any(f".{prefix}" in f".{name}" for prefix in VISION_TOWER_PREFIXES)
-
-
-def in_language_model(name: str) -> bool:
-    """Whether a parameter or module name of a VLM is part of its language model (neither the
-    image encoder nor the connector that projects into the language model)."""
-    return not in_vision_tower(name) and not any(f".{prefix}" in f".{name}" for prefix in CONNECTOR_PREFIXES)
-
-
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 """A processor's files beside the tokenizer's, which exports and conversions copy."""
 
@@ -53,20 +37,6 @@ class VisionPrompt:
     images: list                 # RGB PIL images, in the order of their placeholders
     template_ids: list[int]      # the chat template's tokens, one placeholder per image
     tensors: dict = field(default_factory=dict)  # the processor's image tensors for this prompt
-
-
-def model_config(path: str) -> dict:
-    """config.json of a local model folder ({} for a hub name or a folder without one)."""
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        return {}
-    with open(config_file) as f:
-        return json.load(f)
-
-
-def is_vision_language(path: str) -> bool:
-    """Whether the model at `path` takes images (its config has a vision tower)."""
-    return "vision_config" in model_config(path)
 
 
 def copy_processor_files(model_path: str, out_dir: str) -> None:

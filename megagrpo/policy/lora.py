@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 import torch
 
 from megagrpo.config.schema import Config, ConfigError, LoraConfig, require
-from megagrpo.multimodal.processor import in_language_model
+from megagrpo.multimodal.models import in_language_model
 
 ADAPTER = "default"  # peft's adapter name; the only one a policy has
 ALL_LINEAR = "all-linear"
@@ -104,7 +104,7 @@ def meta_model(path: str):
     """The model of an HF folder's config on the meta device (no memory, no weights read)."""
     from transformers import AutoConfig
 
-    from megagrpo.multimodal.auto import auto_model_class_of
+    from megagrpo.multimodal.models import auto_model_class_of
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         return auto_model_class_of(config).from_config(config)

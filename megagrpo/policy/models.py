@@ -21,8 +21,7 @@ from megagrpo.cluster.op_builds import say_if_cpu_adam_builds
 from megagrpo.config.deepspeed_json import read_deepspeed_config
 from megagrpo.config.schema import Config
 from megagrpo.dtypes import DTYPES
-from megagrpo.multimodal.auto import auto_model_class
-from megagrpo.multimodal.processor import in_vision_tower
+from megagrpo.multimodal.models import auto_model_class, in_vision_tower
 from megagrpo.policy.logprobs import install_logprob_head
 from megagrpo.policy.sequence_parallel import SequenceParallel, use_ulysses_attention
 from megagrpo.policy.tiled_mlp import tile_mlps

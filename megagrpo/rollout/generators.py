@@ -212,7 +212,7 @@ def _input_embeddings_skip_gemm_prepack(worker) -> None:
 class HFGenerator:
     def __init__(self, cfg: Config, model_path: str, seed: int):
         from megagrpo.dtypes import DTYPES
-        from megagrpo.multimodal.auto import auto_model_class
+        from megagrpo.multimodal.models import auto_model_class
         from megagrpo.policy.models import load_tokenizer
 
         self.cfg = cfg.rollout
