@@ -146,7 +146,8 @@ def main(argv=None):
                    help="add: short additions (default); multiply: 3-digit products, learned with the python tool; "
                         "shapes: the colour of the largest shape in an image (vision-language models)")
     p.add_argument("--max-operand", type=int, default=9, help="add: operands are 0..N (default 9)")
-    p.add_argument("--problems", type=int, default=2000, help="multiply, shapes: number of distinct problems")
+    p.add_argument("--problems", type=int, default=None,
+                   help="multiply, shapes: number of distinct problems (default 2000 for multiply, 1000 for shapes)")
     p.add_argument("--eval-share", type=float, default=0.2, help="share of prompts held out")
     p.add_argument("--sft-copies", type=int, default=None,
                    help="warm-start samples per prompt (default 8 for add, 2 for multiply)")
@@ -157,6 +158,8 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     rng = random.Random(args.seed)
+    if args.problems is None:
+        args.problems = 1000 if args.task == "shapes" else 2000
     if args.sft_copies is None:
         args.sft_copies = {"multiply": 2, "shapes": 2}.get(args.task, 8)
     if args.task == "shapes":
