@@ -110,7 +110,9 @@ KNOWN_PRINTS = (
 )
 
 
-def _rank() -> int:
+def launch_rank() -> int:
+    """This process's rank as the launcher set it (0 outside a launch), before or after the
+    process group starts: for lines that one rank says for all."""
     return int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
 
 
@@ -128,7 +130,7 @@ class KnownNoise(logging.Filter):
         for entry in self.entries:
             if not message.startswith(entry.prefix) or (entry.when is not None and not entry.when()):
                 continue
-            if entry.once and entry not in self.shown and _rank() == 0:
+            if entry.once and entry not in self.shown and launch_rank() == 0:
                 self.shown.add(entry)
                 return True
             return False

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from megagrpo.cluster.distributed import all_gather_1d
+from megagrpo.console import launch_rank
 
 
 class DataError(ValueError):
@@ -138,7 +139,7 @@ def load_prompts(path: str, tokenizer, max_prompt_length: int, prompt_field: str
         fields = {k: v for k, v in row.items()
                   if k not in (prompt_field, "messages", "system_prompt", getattr(images_cfg, "field", None))}
         prompts.append(Prompt(prompt=prompt, token_ids=ids, fields=fields, messages=messages, vision=vision))
-    if bad_images:
+    if bad_images and launch_rank() == 0:  # every rank loads the same rows
         print(f"[megagrpo] {path}: {len(bad_images)} rows dropped for a bad image (images.on_bad_image=drop); "
               f"the first: {bad_images[0]}", flush=True)
     if not prompts and bad_images:

@@ -80,32 +80,28 @@ def model_config(model_path: str):
                           "cached copy set HF_HUB_OFFLINE=1") from None
 
 
-def count_parameters(model_path: str) -> tuple[int, int]:
-    """(all parameters, those AutoTP splits) from the model's config, on the meta device (a
-    vision-language model's image encoder and connector included)."""
-    from megagrpo.multimodal.models import auto_model_class_of
-
-    config = model_config(model_path)
-    with torch.device("meta"):
-        model = auto_model_class_of(config).from_config(config)
-    total = sharded = 0
-    for name, param in model.named_parameters():
-        total += param.numel()
-        if ".layers." in name and param.dim() == 2:
-            sharded += param.numel()
-    return total, sharded
-
-
-def vision_tower_parameter_count(model_path: str) -> int:
-    """A vision-language model's image-encoder parameters (0 for a text model), on the meta device."""
+def parameter_counts(model_path: str) -> dict:
+    """From the model's config, on the meta device: all parameters (a vision-language model's
+    image encoder and connector included), those AutoTP splits, and the image encoder's."""
     from megagrpo.multimodal.models import auto_model_class_of, in_vision_tower
 
     config = model_config(model_path)
-    if not hasattr(config, "vision_config"):
-        return 0
     with torch.device("meta"):
         model = auto_model_class_of(config).from_config(config)
-    return sum(p.numel() for name, p in model.named_parameters() if in_vision_tower(name))
+    counts = {"total": 0, "sharded": 0, "vision_tower": 0}
+    for name, param in model.named_parameters():
+        counts["total"] += param.numel()
+        if ".layers." in name and param.dim() == 2:
+            counts["sharded"] += param.numel()
+        if in_vision_tower(name):
+            counts["vision_tower"] += param.numel()
+    return counts
+
+
+def count_parameters(model_path: str) -> tuple[int, int]:
+    """(all parameters, those AutoTP splits): parameter_counts' first two."""
+    counts = parameter_counts(model_path)
+    return counts["total"], counts["sharded"]
 
 
 def planned_host_peak_gib(cfg: Config, world_size: int) -> Optional[float]:
@@ -128,7 +124,8 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     dp = trainers // (tp * pp * sp)
     parts = dp * sp  # ZeRO partitions
     stage = zero_stage(cfg.deepspeed)
-    total, sharded = count_parameters(cfg.model.name_or_path)
+    counts = parameter_counts(cfg.model.name_or_path)
+    total, sharded = counts["total"], counts["sharded"]
     local = sharded // tp + (total - sharded)  # one rank's share before ZeRO
     if pp > 1:  # the largest stage (DeepSpeed's partition by parameters)
         from megagrpo.policy.pipeline_module import ModelParts
@@ -136,7 +133,7 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     lora = cfg.model.lora.r > 0
     trained = count_trained_parameters(cfg.model.name_or_path, cfg.model.lora) if lora else local
     if not lora and cfg.model.freeze_vision_tower:
-        trained -= vision_tower_parameter_count(cfg.model.name_or_path)
+        trained -= counts["vision_tower"]
     held = local + trained if lora else local  # a LoRA policy: the frozen base and its adapters
     weight_b, grad_b, optim_b = BYTES[cfg.model.dtype]
     generator_tp = generator_layout(cfg).generator_tp

@@ -13,6 +13,7 @@ the step's statistics, the moving reference, and what checkpoints and exports as
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Iterator, Optional
 
@@ -72,11 +73,11 @@ class Policy:
 
     # ---- what checkpoints and exports ask -----------------------------------------------------
 
-    @property
+    @functools.cached_property
     def trains_all_weights(self) -> bool:
         """False for a LoRA policy (a step changes only its adapted layers) and for a VLM with a
         frozen vision tower: a receiver that already holds the rest can take
-        full_tensors(changed_only=True)."""
+        full_tensors(changed_only=True). (Which weights train is fixed when the model loads.)"""
         return not self.is_lora and all(p.requires_grad for p in self.hf_module.parameters())
 
     def layout(self) -> dict:

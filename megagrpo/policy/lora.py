@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 import torch
 
 from megagrpo.config.schema import Config, ConfigError, LoraConfig, require
-from megagrpo.multimodal.models import in_language_model
+from megagrpo.multimodal.models import in_language_model, is_vision_language
 
 ADAPTER = "default"  # peft's adapter name; the only one a policy has
 ALL_LINEAR = "all-linear"
@@ -40,9 +40,14 @@ def target_modules(lora: LoraConfig, model: torch.nn.Module):
     all-linear, and short names such as q_proj, would also match the image encoder's and the
     connector's layers (docs/multimodal.md)."""
     if not hasattr(model.config, "vision_config"):
-        return ALL_LINEAR if ALL_LINEAR in lora.target_modules else list(lora.target_modules)
+        return _configured_targets(lora)
     return sorted(name for name in _linear_layers(model)
                   if in_language_model(name) and any(_is_target(name, t) for t in lora.target_modules))
+
+
+def _configured_targets(lora: LoraConfig):
+    """model.lora.target_modules as peft takes them (all-linear as its one string)."""
+    return ALL_LINEAR if ALL_LINEAR in lora.target_modules else list(lora.target_modules)
 
 
 def peft_config(lora: LoraConfig, base_model: str = "", targets=None):
@@ -51,9 +56,8 @@ def peft_config(lora: LoraConfig, base_model: str = "", targets=None):
     import peft
 
     if targets is None:
-        local = bool(base_model) and os.path.isfile(os.path.join(base_model, "config.json"))
-        targets = target_modules(lora, meta_model(base_model)) if local else (
-            ALL_LINEAR if ALL_LINEAR in lora.target_modules else list(lora.target_modules))
+        vision = bool(base_model) and is_vision_language(base_model)
+        targets = target_modules(lora, meta_model(base_model)) if vision else _configured_targets(lora)
     return peft.LoraConfig(r=lora.r, lora_alpha=lora_alpha(lora), lora_dropout=lora.dropout,
                            target_modules=targets, modules_to_save=list(lora.modules_to_save) or None,
                            bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model or None)
