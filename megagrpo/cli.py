@@ -6,6 +6,7 @@
     megagrpo eval --model PATH --data FILE [--config X.yaml] [key.sub=value ...]
     megagrpo convert inspect CKPT | to-hf CKPT OUT | to-adapter CKPT OUT | adapter-to-hf ADAPTER OUT
     megagrpo report RUN_DIR                             (HTML page and PNGs of a run)
+    megagrpo rate RUN_DIR [--against OTHER] [--pairwise] (people score held-out samples, blind)
     megagrpo config --markdown                          (the configuration reference page)
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ commands:
   eval       evaluate a model on a held-out file (rewards, pass@k, BLEU, ROUGE, perplexity)
   convert    inspect a checkpoint, export it as an HF folder or a LoRA adapter (`megagrpo convert --help`)
   report     render a run's metrics, held-out results and samples as one HTML page with PNGs
+  rate       serve a local page where people score held-out samples 1-5, blind; aggregates into the report
   config     print the configuration reference (docs/configuration.md) with --markdown
 """
 
@@ -136,6 +138,11 @@ def _report():
     return main
 
 
+def _rate():
+    from megagrpo.rating.command import main
+    return main
+
+
 def _convert():
     from megagrpo.checkpoints.convert import main
     return main
@@ -144,7 +151,7 @@ def _convert():
 # command -> a function returning its main(argv) (heavy modules are imported only when used)
 COMMANDS = {"train": _train, "validate": lambda: validate_command, "plan": lambda: plan_command,
             "config": lambda: config_reference, "eval": _evaluate, "convert": _convert,
-            "report": _report}
+            "report": _report, "rate": _rate}
 
 
 def main(argv=None) -> int:

@@ -181,6 +181,8 @@ def render(run_dir: str, out_dir: str = None) -> str:
     else:
         parts.append("<p>no held-out samples (data.eval_file not set)</p>")
     parts.append("</section>")
+    from megagrpo.rating.summary import report_section  # `megagrpo rate`'s "Human ratings"; "" when none
+    parts.append(report_section(run_dir))
     page = ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>megagrpo report</title><style>"
             "body{font-family:sans-serif;margin:2em;max-width:60em}img{max-width:100%}img.sample{width:96px}"
             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px;vertical-align:top;"

@@ -79,7 +79,7 @@ LAYERS = [
     ("rollout",),
     ("rewards",),
     ("checkpoints", "planning", "metrics", "monitoring", "stack"),
-    ("validation", "memory_fit"),
+    ("validation", "memory_fit", "rating"),
     ("evaluation", "report"),
     ("train",),
     ("cli", "hostfile"),
