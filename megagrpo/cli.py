@@ -7,6 +7,7 @@
     megagrpo convert inspect CKPT | to-hf CKPT OUT | to-adapter CKPT OUT | adapter-to-hf ADAPTER OUT
     megagrpo report RUN_DIR                             (HTML page and PNGs of a run)
     megagrpo rate RUN_DIR [--against OTHER] [--pairwise] (people score held-out samples, blind)
+    megagrpo doctor RUN_DIR [doctor.key=value ...]      (what the run doctor finds in a run's curves)
     megagrpo config --markdown                          (the configuration reference page)
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ commands:
   convert    inspect a checkpoint, export it as an HF folder or a LoRA adapter (`megagrpo convert --help`)
   report     render a run's metrics, held-out results and samples as one HTML page with PNGs
   rate       serve a local page where people score held-out samples 1-5, blind; aggregates into the report
+  doctor     read a run's curves (finished or running): each finding's step, likely cause and fix
   config     print the configuration reference (docs/configuration.md) with --markdown
 """
 
@@ -138,6 +140,11 @@ def _report():
     return main
 
 
+def _doctor():
+    from megagrpo.doctor import main
+    return main
+
+
 def _rate():
     from megagrpo.rating.command import main
     return main
@@ -151,7 +158,7 @@ def _convert():
 # command -> a function returning its main(argv) (heavy modules are imported only when used)
 COMMANDS = {"train": _train, "validate": lambda: validate_command, "plan": lambda: plan_command,
             "config": lambda: config_reference, "eval": _evaluate, "convert": _convert,
-            "report": _report, "rate": _rate}
+            "report": _report, "doctor": _doctor, "rate": _rate}
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from megagrpo.cluster.distributed import all_gather_1d
 from megagrpo.config.schema import SINKS, ConfigError, require
+from megagrpo.run_logs import cut_logs_after
 
 
 def check_report_to(report_to) -> None:
@@ -37,7 +38,8 @@ class MetricsLogger:
     object per logged step: {"step": N, name: value, ...}), and W&B (project, run name and
     tags from logging.*, the resolved config as the run's config; its id kept in
     output_dir/wandb_run_id, so a resumed run continues it). Every sink gets the same names and
-    steps; a resumed run first drops what came after its checkpoint (resumed_at)."""
+    steps; a resumed run first drops what came after its checkpoint (resumed_at). The resolved
+    config goes to output_dir/config.yaml."""
 
     def __init__(self, output_dir: str, logging_cfg, enabled: bool, config: Optional[dict] = None):
         sinks = logging_cfg.report_to if enabled else []
@@ -52,6 +54,11 @@ class MetricsLogger:
             self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a")
         if "wandb" in sinks:
             self.wandb = _start_wandb(output_dir, logging_cfg, config)
+        if enabled and config is not None:  # the resolved config, for `megagrpo doctor` and later readers
+            import yaml
+            os.makedirs(output_dir, exist_ok=True)
+            with open(os.path.join(output_dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(config, f, sort_keys=False)
 
     def resumed_at(self, step: int) -> None:
         """The run resumed from its step-`step` checkpoint: what the killed attempt logged after
@@ -82,6 +89,14 @@ class MetricsLogger:
         if self.wandb:
             self.wandb.log(values, step=step)
 
+    def finding(self, step: int, check: str, line: str) -> None:
+        """A run doctor's finding to every sink: doctor/<check> = 1 at its step, and its line as
+        text (TensorBoard's text tab; a W&B alert)."""
+        self.scalars(step, {f"doctor/{check}": 1.0})
+        self.text(step, "doctor", line)
+        if self.wandb:
+            self.wandb.alert(title=f"megagrpo doctor: {check}", text=line, level="WARN")
+
     def how_to_watch(self) -> str:
         """The commands that show what this logger wrote."""
         ways = ([f"tensorboard --logdir {self.log_dir}"] if self.writer else []) + (
@@ -99,31 +114,6 @@ class MetricsLogger:
             self.jsonl.close()
         if self.wandb:
             self.wandb.finish()
-
-
-RUN_LOGS = ("metrics.jsonl", "eval_history.jsonl", "prompts_seen.jsonl")
-"""The run's append-only logs in output_dir, one JSON object with a "step" per line."""
-
-
-def cut_logs_after(output_dir: str, step: int) -> None:
-    """Keep the rows of each of RUN_LOGS up to `step` (a resumed run logs the later ones again),
-    and drop a last line torn by a kill mid-write. Rewritten whole, then renamed over."""
-    for name in RUN_LOGS:
-        path = os.path.join(output_dir, name)
-        if not os.path.isfile(path):
-            continue
-        kept = []
-        with open(path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn line: the attempt was killed while writing it
-                if row.get("step", 0) <= step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
 
 
 def _start_wandb(output_dir: str, logging_cfg, config: Optional[dict]):
@@ -160,19 +150,40 @@ def rollout_metrics(rewards: torch.Tensor, per_function: torch.Tensor, advantage
     out = {"reward": rewards.mean(), "reward_std": rewards.std(),
            "reward_min": rewards.min(), "reward_max": rewards.max(),
            "frac_reward_zero_std": (grouped.std(dim=1) < 1e-6).float().mean()}
-    # one gather for every per-completion statistic: (N, functions + 4) on each dp rank
-    columns = [advantages, batch.completion_lens, batch.truncated, batch.prompt_lens + batch.completion_lens]
+    # one gather for every per-completion statistic: (N, functions + 6) on each dp rank
+    repeated, distinct = repetition(batch.completion_ids, batch.completion_lens, num_generations)
+    columns = [advantages, batch.completion_lens, batch.truncated, batch.prompt_lens + batch.completion_lens,
+               repeated, distinct]
     per_completion = torch.cat([per_function] + [c.cpu().float()[:, None] for c in columns], dim=1)
     gathered = all_gather_1d(per_completion.reshape(-1), dp_group).view(-1, per_completion.shape[1])
-    *function_columns, global_adv, lengths, truncated, tokens = gathered.unbind(dim=1)
+    *function_columns, global_adv, lengths, truncated, tokens, repeated, distinct = gathered.unbind(dim=1)
     for name, values in zip(reward_names, function_columns):
         out[f"rewards/{name}/mean"] = values.mean()
         out[f"rewards/{name}/std"] = values.std()
     out["advantages/mean"], out["advantages/std"] = global_adv.mean(), global_adv.std()
     out.update({"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
                 "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.mean(),
+                "completions/repeated_ngrams": repeated.mean(), "completions/distinct_2": distinct.mean(),
                 "tokens_per_second": tokens.sum() / max(seconds, 1e-9)})
     return out
+
+
+def repetition(completion_ids: torch.Tensor, completion_lens: torch.Tensor, num_generations: int,
+               n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per completion (row), two measures of repeated content on its token ids: the share of its
+    n-grams that repeat an earlier n-gram of the same completion (0: none; a completion looping
+    on one phrase nears 1), and its group's distinct-2 (the group's distinct bigrams over all its
+    bigrams: 1 when the G completions share none, about 1/G when they are the same text)."""
+    rows = [ids[:length].tolist() for ids, length in zip(completion_ids.cpu(), completion_lens.cpu().tolist())]
+    repeated = []
+    for ids in rows:
+        grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+        repeated.append(1 - len(set(grams)) / len(grams) if grams else 0.0)
+    distinct = []
+    for start in range(0, len(rows), num_generations):
+        bigrams = [(a, b) for ids in rows[start:start + num_generations] for a, b in zip(ids, ids[1:])]
+        distinct += [len(set(bigrams)) / len(bigrams) if bigrams else 1.0] * len(rows[start:start + num_generations])
+    return torch.tensor(repeated), torch.tensor(distinct)
 
 
 def samples_markdown(prompt, texts: list[str], rewards: list[float]) -> str:

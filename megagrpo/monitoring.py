@@ -68,6 +68,7 @@ class PhaseClock:
 
     def __init__(self, watch: Optional[MemoryWatch] = None):
         self.seconds, self.peak_rss_gib, self.gpu_used_gib, self.watch = {}, {}, {}, watch
+        self.node_used = self.gpu_used = 0.0  # the largest share of the node's (GPU's) memory in use at a lap
         _reset_peak_rss()
         self._start = time.perf_counter()
 
@@ -78,21 +79,26 @@ class PhaseClock:
             self.watch.phase = phase
         self.peak_rss_gib[phase] = max(self.peak_rss_gib.get(phase, 0.0), status_gib("VmHWM"))
         _reset_peak_rss()
+        self.node_used = max(self.node_used, node_used_fraction())
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
             self.gpu_used_gib[phase] = max(self.gpu_used_gib.get(phase, 0.0), (total - free) / 2**30)
+            self.gpu_used = max(self.gpu_used, 1 - free / total)
 
     def metrics(self) -> dict:
-        """time/<phase>, memory/peak_rss_gib/<phase> and memory/rss_gib, and on CUDA
-        memory/gpu_used_gib/<phase>, as the largest of any rank."""
+        """time/<phase>, memory/peak_rss_gib/<phase>, memory/rss_gib and memory/node_used_fraction
+        (the node's memory in use, a share of MemTotal), and on CUDA memory/gpu_used_gib/<phase>
+        and memory/gpu_used_fraction, as the largest of any rank."""
         phases = list(self.peak_rss_gib)
         gpu = [self.gpu_used_gib[p] for p in phases if p in self.gpu_used_gib]
-        peaks = all_reduce(torch.tensor([self.peak_rss_gib[p] for p in phases] + [status_gib("VmRSS")] + gpu,
-                                        dtype=torch.float64), "max").tolist()
+        peaks = all_reduce(torch.tensor([self.peak_rss_gib[p] for p in phases] + [status_gib("VmRSS"), self.node_used,
+                                         self.gpu_used] + gpu, dtype=torch.float64), "max").tolist()
         out = {f"time/{p}": s for p, s in self.seconds.items()}
         out.update({f"memory/peak_rss_gib/{p}": v for p, v in zip(phases, peaks)})
-        out["memory/rss_gib"] = peaks[len(phases)]
-        out.update({f"memory/gpu_used_gib/{p}": v for p, v in zip(phases, peaks[len(phases) + 1:])})
+        out["memory/rss_gib"], out["memory/node_used_fraction"], gpu_used = peaks[len(phases):len(phases) + 3]
+        out.update({f"memory/gpu_used_gib/{p}": v for p, v in zip(phases, peaks[len(phases) + 3:])})
+        if gpu:
+            out["memory/gpu_used_fraction"] = gpu_used
         return out
 
 
@@ -106,6 +112,16 @@ def status_gib(field: str) -> float:
     except OSError:
         pass
     return 0.0
+
+
+def node_used_fraction(meminfo: str = "/proc/meminfo") -> float:
+    """The share of the node's memory in use (1 - MemAvailable / MemTotal); 0 where /proc has
+    neither."""
+    node = {}
+    with contextlib.suppress(OSError, ValueError, IndexError), open(meminfo) as f:
+        node = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f)
+                if k in ("MemTotal", "MemAvailable")}
+    return 1 - node["MemAvailable"] / node["MemTotal"] if len(node) == 2 and node["MemTotal"] else 0.0
 
 
 def _reset_peak_rss() -> None:

@@ -1,6 +1,7 @@
 """`megagrpo report RUN_DIR`: the picture of a run, for whoever cannot open a TensorBoard port.
 
-Reads output_dir/metrics.jsonl (logging.report_to jsonl, on by default), eval_history.jsonl
+At the top, the run doctor's findings (doctor.py), each with the curve that shows it. Reads
+output_dir/metrics.jsonl (logging.report_to jsonl, on by default), eval_history.jsonl
 and the newest eval_samples/step_*.jsonl, and writes RUN_DIR/report/: one PNG per panel
 (matplotlib) and report.html, self-contained (the PNGs inlined), with a handful of held-out
 samples and their rewards. A panel whose metrics the run did not log says so instead. A run
@@ -18,6 +19,9 @@ import os
 import re
 import sys
 
+from megagrpo.config.schema import ConfigError
+from megagrpo.doctor import CHECKS, examine
+from megagrpo.run_logs import RunLogError, read_jsonl, read_series
 from megagrpo.sandbox import FEATURES, describe
 
 # (key, title, metric names or prefixes; a name ending in "/" takes every metric under it)
@@ -32,46 +36,6 @@ PANELS = [
     ("step_time", "Step time by phase (stacked)", ["train/time/"]),
     ("held_out", "Held-out metrics", ["eval/"]),
 ]
-
-
-class ReportError(ValueError):
-    pass
-
-
-def read_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """{name: [(step, value), ...]} from metrics.jsonl (a resumed run's repeated step: the last
-    value) and eval_history.jsonl (as eval/<name>)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise ReportError(f"{run_dir}: no metrics.jsonl; runs write it with logging.report_to containing jsonl "
-                          "(the default). Point megagrpo report at a run's output_dir")
-    series: dict[str, dict[int, float]] = {}
-    for prefix, rows in (("", _jsonl(path)), ("eval/", _jsonl(os.path.join(run_dir, "eval_history.jsonl")))):
-        for row in rows:
-            step = int(row.pop("step"))
-            for key, value in row.items():
-                if isinstance(value, (int, float)):
-                    series.setdefault(prefix + key, {})[step] = float(value)
-    return {k: sorted(v.items()) for k, v in series.items()}
-
-
-def _jsonl(path: str, warn=lambda line: print(line, file=sys.stderr)) -> list[dict]:
-    """Its rows. A last line that does not parse (a run killed while writing it; the next
-    attempt cuts it) is skipped, saying so; a bad line before the last is an error naming it."""
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
-    rows = []
-    for number, line in lines:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if number != lines[-1][0]:
-                raise ReportError(f"{path}, line {number}: not JSON ({e}); only the last line may be torn") from None
-            warn(f"megagrpo report: skipped the last line of {path} (line {number}): torn, the run was "
-                 "killed while writing it")
-    return rows
 
 
 def sandbox_lines(metrics: dict) -> list[str]:
@@ -136,22 +100,63 @@ def draw_panel(key: str, title: str, names: list[str], metrics: dict, out_png: s
     plt.close(fig)
 
 
+def health_section(run_dir: str, metrics: dict, out_dir: str) -> list[str]:
+    """The run doctor's findings (doctor.py), each with the curve that shows it: the step
+    marked, the threshold drawn where it is one line."""
+    findings, steps = examine(run_dir)
+    parts = ['<section class="panel" id="panel-health"><h2>Health (the run doctor)</h2>']
+    if not findings:
+        parts.append(f"<p>No findings: the run doctor's {len(CHECKS)} checks passed on {steps} training steps.</p>")
+    for i, finding in enumerate(findings):
+        png = os.path.join(out_dir, f"health_{i}_{finding.check}.png")
+        draw_finding(finding, metrics.get(finding.metric, []), png)
+        with open(png, "rb") as f:
+            data = base64.b64encode(f.read()).decode()
+        parts.append(f'<div class="finding" id="finding-{i}"><p><b>{html.escape(finding.check)}</b>, step '
+                     f'{finding.step}: {html.escape(finding.seen)}.<br>Likely cause: {html.escape(finding.cause)}.'
+                     f'<br>Fix: {html.escape(finding.fix)}.</p><img alt="{html.escape(finding.metric)}" '
+                     f'src="data:image/png;base64,{data}"></div>')
+    parts.append("</section>")
+    return parts
+
+
+def draw_finding(finding, series: list[tuple[int, float]], out_png: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 2.4), dpi=100)
+    if series:
+        ax.plot(*zip(*series), marker="o" if len(series) < 30 else None, label=finding.metric.removeprefix("train/"))
+    ax.axvline(finding.step, color="red", linestyle=":", label=f"step {finding.step}")
+    if finding.threshold is not None:
+        ax.axhline(finding.threshold, color="gray", linestyle="--", label="threshold")
+    ax.set_title(f"{finding.check}: {finding.metric}", fontsize=10)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+
+
 def _samples(run_dir: str, count: int = 5) -> tuple[str, list[dict]]:
     files = sorted(glob.glob(os.path.join(run_dir, "eval_samples", "step_*.jsonl")))
     if not files:
         return "", []
-    return os.path.basename(files[-1]), _jsonl(files[-1])[:count]
+    return os.path.basename(files[-1]), read_jsonl(files[-1])[:count]
 
 
 def render(run_dir: str, out_dir: str = None) -> str:
     """Write the PNGs and report.html; returns the HTML's path."""
-    metrics = read_metrics(run_dir)
+    metrics = read_series(run_dir)
     out_dir = out_dir or os.path.join(run_dir, "report")
     os.makedirs(out_dir, exist_ok=True)
     steps = max((s for series in metrics.values() for s, _ in series), default=0)
     parts = [f"<h1>megagrpo run: {html.escape(os.path.abspath(run_dir))}</h1>",
              f"<p>{steps} steps logged; {len(metrics)} metrics.</p>"]
     parts += [f'<p class="sandbox">{html.escape(line)}</p>' for line in sandbox_lines(metrics)]
+    parts += health_section(run_dir, metrics, out_dir)
     for key, title, patterns in PANELS:
         names = [n for n in _matching(metrics, patterns) if "/sandbox/" not in n]  # said in words above
         if key == "held_out":
@@ -202,11 +207,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         path = render(args.run_dir, args.out)
-    except (ReportError, OSError, json.JSONDecodeError) as e:
+    except (RunLogError, ConfigError, OSError, json.JSONDecodeError) as e:
         print(f"megagrpo report: {e}", file=sys.stderr)
         return 2
-    for line in sandbox_lines(read_metrics(args.run_dir)):
+    for line in sandbox_lines(read_series(args.run_dir)):
         print(line)
+    findings, _ = examine(args.run_dir)
+    print(f"health: {len(findings)} finding{'s' * (len(findings) != 1)} of the run doctor"
+          + (" (`megagrpo doctor RUN_DIR` prints them)" if findings else ""))
     print(f"report: {path}")
     return 0
 

@@ -30,6 +30,7 @@ from megagrpo.config.loading import to_dict
 from megagrpo.config.schema import Config, ConfigError
 from megagrpo.console import quiet_library_output
 from megagrpo.data import DataError, PromptOrder
+from megagrpo.doctor import Doctor
 from megagrpo.metrics import MetricsLogger, rollout_metrics, samples_markdown
 from megagrpo.monitoring import MemoryWatch, PhaseClock, Progress, StartupTimeline
 from megagrpo.planning import format_plan, make_plan, planned_host_peak_gib
@@ -39,6 +40,7 @@ from megagrpo.process_exit import exit_without_teardown, run_rank
 from megagrpo.rewards import RewardError, component_metrics
 from megagrpo.rollout.serving import serve
 from megagrpo.rollout.weight_sync import sync_weights
+from megagrpo.run_logs import read_series
 from megagrpo.stack import SampledGroups, build_rollout_stack
 from megagrpo.validation import load_config
 
@@ -72,6 +74,7 @@ class Trainer:
                          total_steps=self.total_steps)
         startup.lap("generator")
         self.metrics = MetricsLogger(cfg.output_dir, cfg.logging, topology.is_main, to_dict(cfg))
+        self.doctor = Doctor(cfg) if topology.is_main and cfg.doctor.enabled else None
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         os.makedirs(cfg.output_dir, exist_ok=True)
         self.step, self.generator_synced = 0, False  # after the first sync only changed weights move
@@ -99,7 +102,9 @@ class Trainer:
             metrics["time/step"] = time.perf_counter() - start
             progress.update(self.step, metrics)
             if self.step % cfg.logging.logging_steps == 0 or self.step == self.total_steps:
-                self.metrics.scalars(self.step, {f"train/{k}": v for k, v in metrics.items()})
+                logged = {f"train/{k}": v for k, v in metrics.items()}
+                self.metrics.scalars(self.step, logged)
+                self.diagnose(logged)
             if cfg.logging.eval_steps and self.step % cfg.logging.eval_steps == 0 and self.stack.eval_prompts:
                 self.metrics.scalars(self.step, {f"eval/{k}": v for k, v in self.evaluate().items()})
             if cfg.checkpoint.save_steps and self.step % cfg.checkpoint.save_steps == 0:
@@ -119,6 +124,13 @@ class Trainer:
         self.metrics.close()
         self.log(f"done: {self.step} steps. {self.metrics.how_to_watch()}")
         return results
+
+    def diagnose(self, logged: dict) -> None:
+        """The run doctor reads the logged step (doctor.py): each new finding a console line,
+        and to every sink."""
+        for finding in self.doctor.observe(self.step, logged) if self.doctor else []:
+            self.log(finding.line())
+            self.metrics.finding(self.step, finding.check, finding.line())
 
     def report_startup(self) -> None:
         """The start-up timeline (the slowest rank's phases) on the console and in every sink."""
@@ -182,6 +194,8 @@ class Trainer:
         metrics.update(component_metrics(sampled.rewards, self.topo.dp_group))
         metrics.update(sampled.metrics)
         metrics.update(clock.metrics())
+        if self.startup.watch is not None and self.startup.watch.planned_gib is not None:
+            metrics["memory/planned_peak_gib"] = self.startup.watch.planned_gib  # the doctor's memory check
         return metrics
 
     def log_samples(self, sampled: SampledGroups) -> None:
@@ -231,6 +245,8 @@ class Trainer:
         if state is not None:
             self.step = state["step"]
             self.metrics.resumed_at(self.step)  # what the killed attempt logged after it goes
+            if self.doctor and os.path.isfile(os.path.join(self.cfg.output_dir, "metrics.jsonl")):
+                self.doctor.replay(read_series(self.cfg.output_dir))  # its episodes of trouble stay open
             self.prompt_order.load_state_dict(state["sampler"])
             ahead = rollouts_ahead.load_rollouts_ahead(state, self.topo.rank, self.cfg.rollout.max_staleness)
             if self.stack.ahead is not None:

@@ -10,6 +10,7 @@ from megagrpo.cluster.layout import check_layout
 from megagrpo.config.loading import read_config
 from megagrpo.config.schema import Config
 from megagrpo.config.validation import check_config
+from megagrpo.doctor import check_doctor
 from megagrpo.metrics import check_report_to
 from megagrpo.policy.lora import check_lora
 from megagrpo.rewards import check_reward_names
@@ -23,6 +24,7 @@ def validate(cfg: Config, training: bool = True, planning: bool = False) -> Gene
     check_config(cfg, training, planning)
     check_lora(cfg)
     check_report_to(cfg.logging.report_to)
+    check_doctor(cfg.doctor)
     check_reward_names(cfg.rewards.functions)
     check_tools(cfg)
     return check_layout(cfg)

@@ -70,7 +70,7 @@ def find_cycle(graph: dict[str, set[str]]):
 # The order of the packages (docs/architecture.md): each imports only those in layers before its
 # own, never one of its layer or above. A module at the top of megagrpo/ is its own package.
 LAYERS = [
-    ("megagrpo", "dtypes", "console", "process_exit", "config"),  # megagrpo: the package's own __init__
+    ("megagrpo", "dtypes", "console", "process_exit", "config", "run_logs"),  # megagrpo: the package's own __init__
     ("cluster",),
     ("sandbox",),
     ("algorithm", "multimodal"),
@@ -79,6 +79,7 @@ LAYERS = [
     ("rollout",),
     ("rewards",),
     ("checkpoints", "planning", "metrics", "monitoring", "stack"),
+    ("doctor",),
     ("validation", "memory_fit", "rating"),
     ("evaluation", "report"),
     ("train",),

@@ -7,7 +7,6 @@ Chromium shows the page with nothing on its console."""
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -17,9 +16,6 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
 
 PANELS = ("reward", "kl", "entropy", "clipping", "lengths", "importance_sampling", "optimizer", "step_time",
           "held_out")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--enable-logging=stderr", "--v=0"]
 
 
 def _last_values(rows):
@@ -82,16 +78,9 @@ def test_every_sink_gets_the_same_metrics(logged_run):
     assert "\r" not in proc.stdout + proc.stderr
 
 
-def _chromium(page, tmp_path, name):
-    shot = tmp_path / f"{name}.png"
-    proc = subprocess.run(["chromium", *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / name}", "--window-size=1200,3000",
-                           f"--screenshot={shot}", f"file://{page}"], capture_output=True, text=True, timeout=120)
-    console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
-    return proc, shot, console
-
-
 @pytest.mark.multirank
 def test_report_renders_every_panel_and_the_browser_shows_it(logged_run, tmp_path):
+    from browser import screenshot
     from PIL import Image, ImageStat
 
     out, _ = logged_run
@@ -108,9 +97,9 @@ def test_report_renders_every_panel_and_the_browser_shows_it(logged_run, tmp_pat
     # the capture works: a page that throws shows up on the console
     broken = tmp_path / "broken.html"
     broken.write_text("<html><body><script>throw new Error('report-test')</script></body></html>")
-    _, _, console = _chromium(broken, tmp_path, "broken")
+    _, _, console = screenshot(broken, tmp_path, "broken")
     assert any("report-test" in line for line in console), console
-    proc, shot, console = _chromium(page, tmp_path, "report")
+    proc, shot, console = screenshot(page, tmp_path, "report")
     assert proc.returncode == 0 and shot.is_file(), proc.stderr[-2000:]
     assert console == [], console
     image = Image.open(shot).convert("L")
@@ -123,23 +112,24 @@ def test_report_without_metrics_names_the_fix(tmp_path):
     assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.multirank
 def test_report_skips_a_torn_last_line_and_names_a_bad_one(logged_run, tmp_path):
     """A run killed while writing metrics.jsonl leaves its last line torn: the report skips it
     and says so; a bad line before the last is an error naming its line."""
-    from megagrpo.report import ReportError, _jsonl, read_metrics
+    from megagrpo.run_logs import RunLogError, read_jsonl, read_series
 
     out, _ = logged_run
     rows = open(out / "metrics.jsonl").read()
     (tmp_path / "metrics.jsonl").write_text(rows + '{"step": 5, "train/lo')
     warnings = []
-    assert _jsonl(str(tmp_path / "metrics.jsonl"), warn=warnings.append) == [
+    assert read_jsonl(str(tmp_path / "metrics.jsonl"), warn=warnings.append) == [
         json.loads(line) for line in rows.splitlines()]
     assert len(warnings) == 1 and f"skipped the last line of {tmp_path / 'metrics.jsonl'}" in warnings[0]
-    assert read_metrics(str(tmp_path))["train/loss"] == read_metrics(str(out))["train/loss"]
+    assert read_series(str(tmp_path))["train/loss"] == read_series(str(out))["train/loss"]
     lines = rows.splitlines()
     (tmp_path / "metrics.jsonl").write_text("\n".join([lines[0], '{"step": 1, "tra', *lines[1:]]) + "\n")
-    with pytest.raises(ReportError, match=r"metrics.jsonl, line 2: not JSON"):
-        read_metrics(str(tmp_path))
+    with pytest.raises(RunLogError, match=r"metrics.jsonl, line 2: not JSON"):
+        read_series(str(tmp_path))
 
 
 def test_report_to_names_are_checked(tiny, tmp_path):
@@ -156,7 +146,7 @@ def test_report_to_names_are_checked(tiny, tmp_path):
 def test_a_resume_cuts_the_run_logs_back_to_its_checkpoint(tmp_path):
     """cut_logs_after: the rows after the resumed step go from each run log, and a torn last
     line with them; the rest is kept byte for byte."""
-    from megagrpo.metrics import cut_logs_after
+    from megagrpo.run_logs import cut_logs_after
 
     metrics = [{"step": 0, "startup/total_s": 9.5}, *({"step": s, "train/loss": s / 10} for s in range(1, 6))]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics) + '{"step": 6, "tr')

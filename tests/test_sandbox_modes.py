@@ -14,10 +14,11 @@ import pytest
 
 from megagrpo.config.schema import Config, ConfigError, RewardFunctionConfig, ToolConfig
 from megagrpo.report import main as report_main
-from megagrpo.report import read_metrics, sandbox_lines
+from megagrpo.report import sandbox_lines
 from megagrpo.rewards import RewardError, build_reward_functions
 from megagrpo.rewards.code import CodeReward
 from megagrpo.rollout.tools import PythonTool, Toolset
+from megagrpo.run_logs import read_series
 from megagrpo.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
 LIMITS = dict(timeout_s=3.0, cpu_s=2, memory_mb=256, file_size_mb=8, processes=16)
@@ -112,14 +113,14 @@ def test_the_report_says_which_sandbox_judged_the_run(tmp_path, capsys):
     assert line in (isolated / "report" / "report.html").read_text()
 
     loose = write_run([{"step": 1, key + "bubblewrap": 0.0, key + "seccomp": 0.0, key + "cgroups": 1.0}])
-    assert sandbox_lines(read_metrics(str(loose))) == [
+    assert sandbox_lines(read_series(str(loose))) == [
         "Sandbox of the code reward: rlimits only (weaker: the code can read the host's files and reach its network)"]
     # a run resumed on a machine without cgroups: the share of the completions that had them
     mixed = write_run([{"step": s, key + "bubblewrap": 1.0, key + "seccomp": 1.0, key + "cgroups": c}
                        for s, c in ((1, 1.0), (2, 0.0))])
-    assert sandbox_lines(read_metrics(str(mixed))) == [
+    assert sandbox_lines(read_series(str(mixed))) == [
         "Sandbox of the code reward: bubblewrap (namespaces, seccomp, cgroups for 50% of the completions)"]
-    assert sandbox_lines(read_metrics(str(write_run([{"step": 1, "train/reward": 0.1}])))) == []
+    assert sandbox_lines(read_series(str(write_run([{"step": 1, "train/reward": 0.1}])))) == []
 
 
 def test_the_process_limit_without_root_leaves_room_above_the_users_own_tasks():

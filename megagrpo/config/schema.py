@@ -407,6 +407,44 @@ class LoggingConfig:
 
 
 @dataclass
+class DoctorConfig:
+    """The run doctor (docs/monitoring.md): checks on the logged metrics during training (and
+    `megagrpo doctor RUN_DIR` afterwards), each a console line with the step, the likely cause
+    and the fix, once per episode of trouble; also in every sink and `megagrpo report`."""
+
+    enabled: bool = True
+    """Run the checks during training (false: none; `megagrpo doctor` still reads the run)."""
+    window: int = 5
+    """Logged steps a trend check looks back over (entropy, zero-advantage groups, reward swings,
+    repetition, the grad-norm median); an episode of trouble ends after this many clear steps."""
+    kl_max: float = 0.8
+    """KL to the reference above this: the policy has drifted too far (the seed's 0.8)."""
+    entropy_min: float = 0.02
+    """Mean entropy of the sampled tokens (nats) over the window below this: collapse."""
+    entropy_fraction: float = 0.1
+    """Entropy still falling over the window and below this share of its start: collapse ahead."""
+    max_zero_advantage: float = 0.9
+    """Share of groups whose completions all scored the same (no advantage, nothing to learn),
+    averaged over the window, above this."""
+    reward_swing: float = 0.1
+    """The mean reward's swings around its trend over the window (their standard deviation), as
+    a share of the reward's range so far: above this, and larger than the trend itself."""
+    max_repeated_ngrams: float = 0.3
+    """Share of a completion's 4-grams that repeat an earlier one in it (mean over the window)."""
+    min_distinct_2: float = 0.05
+    """Distinct bigrams among a group's completions, as a share of all their bigrams (mean over
+    the window), below this."""
+    grad_norm_spike: float = 10.0
+    """Gradient norm above this multiple of its median over the previous 4 x window steps."""
+    max_sampler_gap: float = 0.1
+    """Mean |log p sampler - log p trainer| per sampled token (nats) above this."""
+    max_node_memory: float = 0.9
+    """Share of the node's memory in use (on CUDA: of the GPU's), the largest over the ranks."""
+    max_plan_memory: float = 1.0
+    """A rank's peak memory as a multiple of `megagrpo plan`'s peak per rank (CPU runs)."""
+
+
+@dataclass
 class Config:
     """One experiment."""
 
@@ -422,6 +460,7 @@ class Config:
     filled in from this config."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
     output_dir: str = "runs/megagrpo"
     """Where TensorBoard logs, checkpoints, eval results and the final HF model go."""
 
