@@ -1,5 +1,6 @@
 """Learning: the quickstart's tiny fast path (TINY=1: tiny model, 2 CPU ranks, ZeRO-3, vLLM)
-raises held-out accuracy by at least 20 points, on a quiet console; so do the agentic (AGENT=1)
+raises held-out accuracy by at least 20 points, on a quiet console, and the run doctor finds
+nothing wrong with it; so do the agentic (AGENT=1)
 and the vision-language (VLM=1, by at least 30 points) variants. Runs launch/quickstart.sh
 itself, as a user would. (Its default, the real model, takes 10 minutes: its parts are tested in
 test_train_real_model.py, and its numbers are in docs/real-models.md.)"""
@@ -73,6 +74,10 @@ def test_quickstart_learns(tiny, tmp_path):
     noise = [line for output in (tiny["console"], proc.stdout, proc.stderr)
              for line in unexpected_console_lines(output)]
     assert not noise, "lines on the quickstart's console that its list does not allow:\n" + "\n".join(noise)
+    # the healthy run: the run doctor raises nothing, live or afterwards (its failing runs: test_doctor.py)
+    assert "doctor:" not in proc.stdout
+    doctor = run([f"{BIN}/megagrpo", "doctor", str(tmp_path / "tiny" / "grpo")])
+    assert doctor.stdout.startswith("megagrpo doctor: 0 findings in 40 training steps"), doctor.stdout
     for shown in (r"\[megagrpo\] world 2 = dp 2 .*", r"\[megagrpo\] held-out before training: .*",
                   r"\[megagrpo\] step 40/40 .*", r"\[megagrpo\] held-out after training: .*", r"\[megagrpo\] done: .*"):
         assert re.search(f"^{shown}$", proc.stdout, re.M), f"{shown} missing from the console:\n{proc.stdout[-3000:]}"
