@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from browser import CHROMIUM_FLAGS
 from conftest import PYTHON, ROOT, run
 
 from megagrpo.rating.aggregates import aggregate, krippendorff_alpha, mean_ci, t_quantile, win_rates
@@ -32,9 +33,6 @@ Y_SCORES = [4, 5, 3, 4, 4, 5]  # step 5's answers ("yy")
 PIXEL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQ"
          "AAAABJRU5ErkJggg==")
 # headless Chromium as tests/test_report.py runs it (Debian's chromium), its DevTools port added below
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--enable-logging=stderr", "--v=0"]
 HOSTILE = '<script>window.pwned=1</script><img src=x onerror="window.pwned=2">'
 
 
