@@ -174,16 +174,24 @@ def repetition(completion_ids: torch.Tensor, completion_lens: torch.Tensor, num_
     n-grams that repeat an earlier n-gram of the same completion (0: none; a completion looping
     on one phrase nears 1), and its group's distinct-2 (the group's distinct bigrams over all its
     bigrams: 1 when the G completions share none, about 1/G when they are the same text)."""
-    rows = [ids[:length].tolist() for ids, length in zip(completion_ids.cpu(), completion_lens.cpu().tolist())]
-    repeated = []
-    for ids in rows:
-        grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
-        repeated.append(1 - len(set(grams)) / len(grams) if grams else 0.0)
+    rows = [ids[:length] for ids, length in zip(completion_ids.cpu().long(), completion_lens.cpu().tolist())]
+    repeated = [1 - _gram_keys(ids, n).unique().numel() / max(1, len(ids) - n + 1) if len(ids) >= n else 0.0
+                for ids in rows]
     distinct = []
     for start in range(0, len(rows), num_generations):
-        bigrams = [(a, b) for ids in rows[start:start + num_generations] for a, b in zip(ids, ids[1:])]
-        distinct += [len(set(bigrams)) / len(bigrams) if bigrams else 1.0] * len(rows[start:start + num_generations])
+        group = rows[start:start + num_generations]
+        bigrams = torch.cat([_gram_keys(ids, 2) for ids in group])
+        distinct += [bigrams.unique().numel() / bigrams.numel() if bigrams.numel() else 1.0] * len(group)
     return torch.tensor(repeated), torch.tensor(distinct)
+
+
+def _gram_keys(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """One int64 key per n-gram of `ids` (a polynomial hash; int64 arithmetic wraps around)."""
+    count = max(0, len(ids) - n + 1)
+    keys = torch.zeros(count, dtype=torch.long)
+    for k in range(n):
+        keys = keys * 1_000_003 + ids[k:k + count]
+    return keys
 
 
 def samples_markdown(prompt, texts: list[str], rewards: list[float]) -> str:

@@ -152,3 +152,30 @@ def test_a_quiet_run_reports_no_findings(failing_runs, tmp_path):
     run([PYTHON, "-m", "megagrpo.cli", "report", str(tmp_path)])
     assert f"the run doctor's {len(CHECKS)} checks passed on 4 training steps" in (
         tmp_path / "report" / "report.html").read_text()
+
+
+def test_repetition_measures_match_their_definition():
+    """metrics.repetition (hashed n-grams in torch) against the definition in plain Python."""
+    import torch
+
+    from megagrpo.metrics import repetition
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 6, (12, 20), generator=generator)  # a small vocabulary: repeats happen
+    ids[0] = torch.tensor([5, 6, 7, 8] * 5)  # a loop
+    ids[4:8] = ids[4]  # a group of four identical completions
+    lens = torch.randint(0, 21, (12,), generator=generator)
+    lens[0], lens[4:8] = 20, 20
+
+    def grams(row, n):
+        return [tuple(row[i:i + n]) for i in range(len(row) - n + 1)]
+
+    rows = [r[:n].tolist() for r, n in zip(ids, lens.tolist())]
+    want_repeated = [1 - len(set(grams(r, 4))) / len(grams(r, 4)) if len(r) >= 4 else 0.0 for r in rows]
+    want_distinct = []
+    for start in range(0, 12, 4):
+        bigrams = [g for r in rows[start:start + 4] for g in grams(r, 2)]
+        want_distinct += [len(set(bigrams)) / len(bigrams) if bigrams else 1.0] * 4
+    repeated, distinct = repetition(ids, lens, 4)
+    assert repeated.tolist() == pytest.approx(want_repeated) and distinct.tolist() == pytest.approx(want_distinct)
+    assert repeated[0] == pytest.approx(1 - 4 / 17) and distinct[4] == pytest.approx(len(set(grams(rows[4], 2))) / 76)
