@@ -30,8 +30,8 @@ FAILING_RUNS = {
     # bfloat16 and a learning rate 2,500x: vLLM's and the trainer's kernels part ways on the broken weights
     "sampler": (["model.dtype=bfloat16", "grpo.learning_rate=0.5", "grpo.max_steps=6"],
                 {"sampler_gap"}, {"reward_swing"}),
-    # a reward that is a coin flip, 8 completions a step; and a node-memory threshold it is sure to pass
-    "noisy": (["rewards.functions=[noisy_reward:coin_flip]", "grpo.per_device_train_batch_size=8",
+    # a reward that is a coin flip, 4 completions a step; and a node-memory threshold it is sure to pass
+    "noisy": (["rewards.functions=[noisy_reward:coin_flip]", "grpo.per_device_train_batch_size=4",
                "grpo.num_generations=4", "grpo.max_steps=10", "doctor.max_node_memory=0.01"],
               {"reward_swing", "memory"}, {"kl", "entropy", "grad_spike", "sampler_gap", "repetition"}),
 }

@@ -426,7 +426,7 @@ class DoctorConfig:
     max_zero_advantage: float = 0.9
     """Share of groups whose completions all scored the same (no advantage, nothing to learn),
     averaged over the window, above this."""
-    reward_swing: float = 0.1
+    reward_swing: float = 0.15
     """The mean reward's swings around its trend over the window (their standard deviation), as
     a share of the reward's range so far: above this, and larger than the trend itself."""
     max_repeated_ngrams: float = 0.3
@@ -440,8 +440,9 @@ class DoctorConfig:
     """Mean |log p sampler - log p trainer| per sampled token (nats) above this."""
     max_node_memory: float = 0.9
     """Share of the node's memory in use (on CUDA: of the GPU's), the largest over the ranks."""
-    max_plan_memory: float = 1.0
-    """A rank's peak memory as a multiple of `megagrpo plan`'s peak per rank (CPU runs)."""
+    max_plan_memory: float = 1.2
+    """A rank's peak memory as a multiple of `megagrpo plan`'s peak per rank (CPU runs): above
+    it, the plan no longer describes the run."""
 
 
 @dataclass
