@@ -1,11 +1,12 @@
-"""A reward function that is all noise, for the run doctor's reward-swing check: a coin flip per
-completion, whatever it says (seeded by the text and a counter, so a run is reproducible)."""
-import hashlib
+"""A reward function that is all noise, for the run doctor's reward-swing check: a fair coin per
+completion, whatever it says, from a generator seeded by the call and the completion's place
+(so a run gets the same coins whatever its model writes)."""
 import itertools
+import random
 
 _calls = itertools.count()
 
 
 def coin_flip(prompts, completions, **_) -> list[float]:
     call = next(_calls)
-    return [float(hashlib.sha256(f"{call}:{i}:{text}".encode()).digest()[0] & 1) for i, text in enumerate(completions)]
+    return [float(random.Random(f"{call}:{i}").random() < 0.5) for i in range(len(completions))]
