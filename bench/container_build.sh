@@ -8,7 +8,7 @@
 #      held-out accuracy after GRPO above the one before)
 # Prints a table and writes JSON (bench/results/container_build.json; CONTAINER_BENCH_OUT
 # overrides): base build time, image build time, image size, the quickstart's time and its
-# held-out accuracy before and after. A benchmark, not a test: 8 to 20 minutes on 2 cores.
+# held-out accuracy before and after. A benchmark, not a test: 6 to 20 minutes on 2 cores.
 #
 #   sudo bash bench/container_build.sh
 #
