@@ -27,7 +27,7 @@ import math
 import os
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from megagrpo.config.schema import Config, ConfigError, DoctorConfig, require
@@ -50,9 +50,6 @@ class Finding:
     def line(self) -> str:
         return f"doctor: step {self.step}: {self.seen}. Likely cause: {self.cause}. Fix: {self.fix}"
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 class Doctor:
     """The checks over a run's logged metrics, step by step: observe() takes a logged step's
@@ -61,7 +58,7 @@ class Doctor:
     def __init__(self, cfg: Config):
         self.cfg, self.d = cfg, cfg.doctor
         self.series: Series = {}
-        self.quiet_for: dict[str, int] = {}  # check -> clear steps since its episode began
+        self.quiet_for: dict[str, int] = {}  # each open episode's check -> its clear steps since
         self.findings: list[Finding] = []
 
     def observe(self, step: int, metrics: dict) -> list[Finding]:
@@ -84,15 +81,14 @@ class Doctor:
         self.findings += opened
         return opened
 
-    def replay(self, series: Series, until: Optional[int] = None) -> int:
+    def replay(self, series: Series) -> int:
         """Observe a run's logged series ({name: [(step, value), ...]}, as run_logs.read_series
-        reads them) step by step, up to `until`; returns the training steps read. A resumed run
-        replays its log up to its checkpoint, so its open episodes stay open."""
+        reads them) step by step; returns the training steps read. A resumed run replays its log
+        (cut back to its checkpoint), so its open episodes stay open."""
         by_step: dict[int, dict] = {}
         for name, values in series.items():
             for step, value in values:
-                if until is None or step <= until:
-                    by_step.setdefault(step, {})[name] = value
+                by_step.setdefault(step, {})[name] = value
         steps = [s for s in sorted(by_step) if any(n.startswith("train/") for n in by_step[s])]
         for step in steps:
             self.observe(step, by_step[step])
