@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 from megagrpo.rating.samples import SampleError, home_of, load_sources, pair
@@ -81,6 +82,10 @@ def main(argv=None) -> int:
         print(f"bound to {args.host}: every request needs the token in the URL below")
     print(f"open {url_of(server, app)}", flush=True)
     print("stop with Ctrl-C", flush=True)
+    # Ctrl-C and a plain kill stop it cleanly, whatever it inherited: a shell starts a job put in
+    # the background (`megagrpo rate ... &`) with SIGINT ignored, which Python would keep
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.default_int_handler)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
