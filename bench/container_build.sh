@@ -2,7 +2,7 @@
 # The CPU container from nothing but Debian's packages and PyPI, and the tiny quickstart inside it:
 #   1. a minimal Debian bookworm rootfs made with mmdebstrap, imported as a local base image
 #      (no container registry is needed, none is pulled from)
-#   2. container/Containerfile.cpu built FROM it: megagrpo's CPU stack installed the project's way
+#   2. launch/container/Containerfile.cpu built FROM it: megagrpo's CPU stack installed the project's way
 #      (launch/install.sh), a non-root user
 #   3. `TINY=1 bash launch/quickstart.sh` inside the image, with no network: it must learn (the
 #      held-out accuracy after GRPO above the one before)
@@ -122,7 +122,7 @@ echo "   ${BASE_S} s, rootfs $((ROOTFS_BYTES / 1000000)) MB"
 # bundle for pip (a network behind a TLS-inspecting proxy, as here, is trusted through it).
 # --network host: the default bridge network needs netavark's firewall tools, which are not
 # installed ("netavark: No such file or directory"); apt and pip need the network while building.
-echo "== 2/3 image: podman build -f container/Containerfile.cpu -> $IMAGE (torch $TORCH CPU build from the host's pip)"
+echo "== 2/3 image: podman build -f launch/container/Containerfile.cpu -> $IMAGE (torch $TORCH CPU build from the host's pip)"
 PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python
 # cp311: the image's Python is Debian 12's python3 (3.11)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version 3.11 \
@@ -133,7 +133,7 @@ CA=/etc/ssl/certs/ca-certificates.crt
 [ -f "$CA" ] && CA_ARGS=(-v "$CA:/run/host-ca.crt:ro" --build-arg PIP_CERT=/run/host-ca.crt)
 START=$(date +%s.%N)
 LOADS+=("$(load)")
-"${PODMAN[@]}" build --network host -f container/Containerfile.cpu --ignorefile container/containerignore \
+"${PODMAN[@]}" build --network host -f launch/container/Containerfile.cpu --ignorefile launch/container/containerignore \
   --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg PIP_EXTRA_INDEX_URL= --build-arg PIP_FIND_LINKS=/wheels \
   -v "$WORK/wheels:/wheels:ro" "${CA_ARGS[@]}" \
   -t "$IMAGE" . > "$WORK/logs/build.log" 2>&1 || fail "podman build" "$WORK/logs/build.log"
@@ -189,7 +189,7 @@ result = {
     "load_avg_1m": {"base": loads[0:2], "image": loads[2:4], "quickstart": loads[4:6]},
     "base": {"suite": env["SUITE"], "variant": "minbase", "build_s": float(env["BASE_S"]),
              "rootfs_tar_bytes": int(env["ROOTFS_BYTES"]), "image_bytes": int(env["BASE_BYTES"])},
-    "image": {"containerfile": "container/Containerfile.cpu", "build_s": float(env["IMAGE_S"]),
+    "image": {"containerfile": "launch/container/Containerfile.cpu", "build_s": float(env["IMAGE_S"]),
               "size_bytes": int(env["IMAGE_BYTES"]), "stack": env["STACK"].removeprefix("megagrpo: installed "),
               "torch_cpu_wheel": f"torch=={env['TORCH']}+cpu from the host's pip"},
     "quickstart": {"command": "TINY=1 bash launch/quickstart.sh", "network": "none", "shm_size": env["SHM"],

@@ -1,4 +1,4 @@
-"""The container images' files (container/, docs/container.md), read without building anything:
+"""The container images' files (launch/container/, docs/container.md), read without building anything:
 the GPU image's pins agree with setup.py (torch, vLLM, flash-attn, Python, the CUDA base against
 torch's CUDA), the CPU image installs the project's way, both run as a non-root user, and
 hadolint passes both Containerfiles (bench/container_build.sh builds and runs the CPU image)."""
@@ -12,8 +12,9 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CPU = ROOT / "container" / "Containerfile.cpu"
-GPU = ROOT / "container" / "Containerfile.gpu"
+FOLDER = ROOT / "launch" / "container"
+CPU = FOLDER / "Containerfile.cpu"
+GPU = FOLDER / "Containerfile.gpu"
 
 # The CUDA version of PyPI's default Linux x86_64 wheel of each torch release setup.py may pin
 # (torch 2.13.0's wheel depends on cuda-toolkit==13.0.3 and nvidia-*-cu13 packages).
@@ -124,7 +125,7 @@ def test_both_images_install_the_project_way_and_the_cpu_one_from_a_local_base()
     assert [(w, r) for w, r in instructions(CPU) if w == "FROM"] == [("FROM", "${BASE_IMAGE}")]
     # the bench makes that base and builds this file
     bench = (ROOT / "bench" / "container_build.sh").read_text()
-    assert "mmdebstrap" in bench and "container/Containerfile.cpu" in bench
+    assert "mmdebstrap" in bench and "launch/container/Containerfile.cpu" in bench
     assert cpu_args["BASE_IMAGE"].split(":")[0] in bench
     assert subprocess.run(["bash", "-n", str(ROOT / "bench" / "container_build.sh")]).returncode == 0
 
@@ -147,12 +148,12 @@ def test_the_image_runs_as_a_non_root_user(path):
 
 
 def test_the_build_context_leaves_out_the_venv_and_runs():
-    ignore = (ROOT / "container" / "containerignore").read_text().split()
+    ignore = (FOLDER / "containerignore").read_text().split()
     for name in (".venv", "runs", ".git", "models"):
         assert name in ignore
     for variant in ("cpu", "gpu"):  # Docker BuildKit's per-Containerfile name for the same lines
-        copy = ROOT / "container" / f"Containerfile.{variant}.dockerignore"
-        assert copy.read_text() == (ROOT / "container" / "containerignore").read_text(), f"{copy.name} differs"
+        copy = FOLDER / f"Containerfile.{variant}.dockerignore"
+        assert copy.read_text() == (FOLDER / "containerignore").read_text(), f"{copy.name} differs"
 
 
 def hadolint() -> str | None:
