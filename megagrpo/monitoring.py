@@ -114,14 +114,20 @@ def status_gib(field: str) -> float:
     return 0.0
 
 
+def node_memory_gib(meminfo: str = "/proc/meminfo") -> tuple[float, float]:
+    """The node's MemTotal and MemAvailable in GiB (0 for what /proc does not say)."""
+    node = {}
+    with contextlib.suppress(OSError, ValueError, IndexError), open(meminfo) as f:
+        node = {k: int(v.split()[0]) / 2**20 for k, _, v in (line.partition(":") for line in f)
+                if k in ("MemTotal", "MemAvailable")}
+    return node.get("MemTotal", 0.0), node.get("MemAvailable", 0.0)
+
+
 def node_used_fraction(meminfo: str = "/proc/meminfo") -> float:
     """The share of the node's memory in use (1 - MemAvailable / MemTotal); 0 where /proc has
     neither."""
-    node = {}
-    with contextlib.suppress(OSError, ValueError, IndexError), open(meminfo) as f:
-        node = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f)
-                if k in ("MemTotal", "MemAvailable")}
-    return 1 - node["MemAvailable"] / node["MemTotal"] if len(node) == 2 and node["MemTotal"] else 0.0
+    total, available = node_memory_gib(meminfo)
+    return 1 - available / total if total and available else 0.0
 
 
 def _reset_peak_rss() -> None:
@@ -149,11 +155,7 @@ class MemoryWatch(threading.Thread):
 
     def check(self) -> Optional[str]:
         """The warning line when it is due, else None."""
-        node = {}
-        with contextlib.suppress(OSError, ValueError, IndexError), open(self.meminfo) as f:
-            node = {k: int(v.split()[0]) / 2**20 for k, _, v in (line.partition(":") for line in f)
-                    if k in ("MemTotal", "MemAvailable")}
-        total, available = node.get("MemTotal", 0.0), node.get("MemAvailable", 0.0)
+        total, available = node_memory_gib(self.meminfo)
         rss, phase = status_gib("VmRSS"), self.phase
         if not total or available > self.NODE_FREE * total or phase in self.warned or (
                 self.planned_gib is not None and rss <= self.planned_gib):
