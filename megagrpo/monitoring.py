@@ -124,10 +124,10 @@ def node_memory_gib(meminfo: str = "/proc/meminfo") -> tuple[float, float]:
 
 
 def node_used_fraction(meminfo: str = "/proc/meminfo") -> float:
-    """The share of the node's memory in use (1 - MemAvailable / MemTotal); 0 where /proc has
-    neither."""
+    """The share of the node's memory in use (1 - MemAvailable / MemTotal); 0 where /proc says
+    no MemTotal."""
     total, available = node_memory_gib(meminfo)
-    return 1 - available / total if total and available else 0.0
+    return 1 - available / total if total else 0.0
 
 
 def _reset_peak_rss() -> None:
