@@ -13,6 +13,7 @@ from megagrpo.config.validation import check_config
 from megagrpo.doctor import check_doctor
 from megagrpo.metrics import check_report_to
 from megagrpo.policy.lora import check_lora
+from megagrpo.policy.moe import check_moe
 from megagrpo.rewards import check_reward_names
 from megagrpo.rollout.tools import check_tools
 
@@ -23,6 +24,7 @@ def validate(cfg: Config, training: bool = True, planning: bool = False) -> Gene
     is written into the config: what a rule resolves it returns (the generator's layout)."""
     check_config(cfg, training, planning)
     check_lora(cfg)
+    check_moe(cfg)
     check_report_to(cfg.logging.report_to)
     check_doctor(cfg.doctor)
     check_reward_names(cfg.rewards.functions)

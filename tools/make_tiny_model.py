@@ -20,7 +20,10 @@ agentic quickstart's model).
 bias, head_dim set apart from the hidden size), llama (Llama 3: llama3 rope scaling, theta 500k,
 an untied head), mistral (an untied head, a 4,096-token sliding window) and idefics3
 (SmolVLM's vision-language architecture: a SigLIP image encoder and a tied Llama language
-model, with the processor and image tokens; tools/tiny_vision.py). --tie-embeddings overrides
+model, with the processor and image tokens; tools/tiny_vision.py), and two mixtures of experts:
+qwen3_moe (Qwen3-MoE: --experts experts of --moe-intermediate-size in every layer, top
+--experts-per-token, normalised top-k weights, a tied head) and mixtral (Mixtral: experts of
+--intermediate-size, an untied head). --tie-embeddings overrides
 the architecture's choice; --kv-heads below --heads gives grouped-query attention.
 The model is randomly initialised with transformers' own init (std 0.02) and saved as
 safetensors; head_dim is 64 (vLLM's CPU attention refuses smaller heads).
@@ -37,9 +40,11 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,7 +90,20 @@ ARCHS = {
     "llama": (LlamaConfig, {"attention_bias": False, "mlp_bias": False}, False),
     "mistral": (MistralConfig, {"sliding_window": 4096}, False),
     "idefics3": (LlamaConfig, {"attention_bias": False, "mlp_bias": False}, True),  # the language model's
+    "qwen3_moe": (Qwen3MoeConfig, {"attention_bias": False, "norm_topk_prob": True}, True),
+    "mixtral": (MixtralConfig, {"sliding_window": None}, False),
 }
+
+
+def expert_settings(args) -> dict:
+    """A mixture-of-experts architecture's expert sizes (qwen3_moe: every layer sparse,
+    experts of --moe-intermediate-size; mixtral: experts of --intermediate-size)."""
+    if args.arch == "qwen3_moe":
+        return {"num_experts": args.experts, "num_experts_per_tok": args.experts_per_token,
+                "moe_intermediate_size": args.moe_intermediate_size, "decoder_sparse_step": 1}
+    if args.arch == "mixtral":
+        return {"num_local_experts": args.experts, "num_experts_per_tok": args.experts_per_token}
+    return {}
 
 
 def model_config(args, **ids):
@@ -100,7 +118,7 @@ def model_config(args, **ids):
                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                         head_dim=args.hidden_size // args.heads, intermediate_size=args.intermediate_size,
                         max_position_embeddings=args.max_positions, tie_word_embeddings=tie,
-                        rope_parameters=rope, torch_dtype=args.dtype, **extra, **ids)
+                        rope_parameters=rope, torch_dtype=args.dtype, **extra, **expert_settings(args), **ids)
 
 
 def corpus_texts(paths: list[str]):
@@ -185,7 +203,7 @@ def main(argv=None):
     p.add_argument("--arch", choices=sorted(ARCHS), default="qwen2", help="the model's architecture")
     p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="tie the head to the embedding (default: as the architecture's small models do: "
-                        "qwen2 and qwen3 tied, llama and mistral not)")
+                        "qwen2, qwen3 and qwen3_moe tied, llama, mistral and mixtral not)")
     p.add_argument("--rope-theta", type=float, default=10000.0, help="(llama: its own 500k, llama3-scaled)")
     p.add_argument("--shape", choices=sorted(SHAPES),
                    help="a real model's exact configuration (other flags override its values)")
@@ -198,6 +216,9 @@ def main(argv=None):
     p.add_argument("--patch-size", type=int, default=16, help="(idefics3) the encoder's patch side")
     p.add_argument("--vision-hidden-size", type=int, default=128, help="(idefics3) encoder width (64 per head)")
     p.add_argument("--vision-layers", type=int, default=2, help="(idefics3) encoder layers")
+    p.add_argument("--experts", type=int, default=8, help="(qwen3_moe, mixtral) experts per layer")
+    p.add_argument("--experts-per-token", type=int, default=2, help="(qwen3_moe, mixtral) top-k experts")
+    p.add_argument("--moe-intermediate-size", type=int, default=128, help="(qwen3_moe) each expert's width")
     p.add_argument("--config-only", action="store_true",
                    help="write config.json only (no weights, no tokenizer): enough for `megagrpo plan`")
     shape = p.parse_known_args(argv)[0].shape

@@ -60,6 +60,11 @@ class ModelConfig:
     """A vision-language model's image encoder stays as loaded (no gradients, not synced to the
     generator after the first load); the connector and the language model train. false: the
     tower trains too (docs/multimodal.md)."""
+    router_aux_loss_coef: float = 0.0
+    """A mixture-of-experts policy: the router's load-balancing loss (the Switch
+    Transformer's, as transformers computes it, summed over the layers) is added to the GRPO
+    loss with this coefficient (e.g. 0.001, what Qwen3-MoE and Mixtral were trained with;
+    0: off, the RL objective alone)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA policy: train adapters only; the KL reference is the base model with the adapters
     disabled (no second model). Off while lora.r is 0."""
@@ -317,6 +322,13 @@ class RolloutConfig:
     """On GPU, put vLLM to sleep while the trainer runs (ignored on CPU)."""
     sync_bucket_mb: int = 256
     """Size of the parameter buckets gathered out of ZeRO-3 for the weight sync."""
+    routing_replay: Literal["none", "r2", "r3"] = "r2"
+    """A mixture-of-experts policy's routing replay (docs/moe.md). r2: with grpo.num_iterations
+    > 1, the experts the old-policy pass chose for each token are used again in every update
+    pass, so an update never moves a token to other experts than its old log-prob was computed
+    with; with one iteration (or a dense model) nothing to replay. none: each pass routes
+    afresh. r3: the generator's routes replayed in every trainer pass; refused so far (on the
+    CPU build vLLM cannot return routes)."""
     max_turns: int = 1
     """Model turns per trajectory. 1: single-turn completions (no tools). > 1: the model may
     call tools (rollout.tools, rollout.environment) and continues after their results until a

@@ -22,7 +22,6 @@ def check_config(cfg: Config, training: bool = True, planning: bool = False) -> 
         require(os.path.isfile(os.path.join(cfg.model.name_or_path, "config.json")),
                 f"model.name_or_path: '{cfg.model.name_or_path}' has no config.json; build the "
                 "tiny model with `python tools/make_tiny_model.py` or point it at an HF folder")
-        check_dense(cfg.model.name_or_path)
         check_vision_language(cfg)
     require(bool(cfg.data.train_file), "data.train_file is empty: set it to a JSONL/JSON/"
             "Parquet/CSV file or a hub dataset name")
@@ -130,21 +129,6 @@ def check_objective(g) -> None:
     require(g.entropy_coef >= 0, f"grpo.entropy_coef: {g.entropy_coef} must be >= 0 (0: no entropy bonus)")
     require(0 < g.top_entropy_quantile <= 1,
             f"grpo.top_entropy_quantile: {g.top_entropy_quantile} must be in (0, 1], e.g. 0.2; 1 keeps every token")
-
-
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-"""config.json keys of mixture-of-experts models (Qwen2/3-MoE, Mixtral, DeepSeek, ...)."""
-
-
-def check_dense(model_path: str) -> None:
-    """Refuse a mixture-of-experts model: its experts go through no tested path (AutoTP's split
-    tables, the pipeline layer map, the weight sync's names, the planner's counts)."""
-    with open(os.path.join(model_path, "config.json")) as f:
-        model = json.load(f)
-    experts = next((key for key in EXPERT_KEYS if model.get(key)), None)
-    require(experts is None, f"model.name_or_path: '{model_path}' is a mixture-of-experts model "
-            f"({model.get('model_type')}, {experts}={model.get(experts)}); megagrpo trains dense models only (none of "
-            "its parallel layouts or weight syncs handles experts yet): choose a dense model")
 
 
 TESTED_VISION_MODELS = ("idefics3", "smolvlm")

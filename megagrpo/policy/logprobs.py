@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from megagrpo.multimodal.processor import join_image_tensors
 from megagrpo.policy.fused_logprobs import fused_token_logprobs, logprobs_from_logits
+from megagrpo.policy.moe import routing_of
 from megagrpo.policy.packing import pack
 from megagrpo.policy.sequence_parallel import SequenceParallel, gather_slices, slice_row
 
@@ -62,11 +63,15 @@ def install_logprob_head(model: torch.nn.Module, chunk_size: int) -> None:
 
 
 def _forward(model, input_ids, position_ids, attention_mask, positions, targets, temperature, fused,
-             images: Optional[dict] = None):
+             images: Optional[dict] = None, real: Optional[torch.Tensor] = None):
     """Run the model and read log p(target) and entropy at the flat `positions` of its
     (rows x width) output; images: the rows' image tensors (keyword arguments of a VLM's
-    forward). Returns two (K,) tensors."""
+    forward); real: (rows x width) bool, False on padding (an MoE model's routes are counted
+    on the rest, policy/moe.py). Returns two (K,) tensors."""
     head = _head(model)
+    routing = routing_of(model)
+    if routing is not None:
+        routing.real_tokens = None if real is None else real.reshape(-1)
     if fused:
         head.request = (positions, targets, temperature)
     try:
@@ -115,7 +120,8 @@ def completion_logprobs(model, batch, temperature: float, packing: bool = True, 
         if sp is None:
             logp, entropy = _forward(model, packed.input_ids.to(device), packed.position_ids.to(device),
                                      None, packed.predict_at.to(device), packed.targets.to(device),
-                                     temperature, fused, _image_inputs(model, batch, packed.order, device))
+                                     temperature, fused, _image_inputs(model, batch, packed.order, device),
+                                     packed.real.to(device))
         else:
             row = slice_row(packed, sp)
             mine = _forward(model, row.input_ids.to(device), row.position_ids.to(device), None,
@@ -130,7 +136,7 @@ def completion_logprobs(model, batch, temperature: float, packing: bool = True, 
                      + torch.arange(P - 1, P - 1 + C, device=device)[None, :]).reshape(-1)
         logp, entropy = _forward(model, batch.input_ids, batch.position_ids, batch.attention_mask,
                                  positions, batch.completion_ids.reshape(-1), temperature, fused,
-                                 _image_inputs(model, batch, list(range(B)), device))
+                                 _image_inputs(model, batch, list(range(B)), device), batch.attention_mask.bool())
         index = (torch.arange(C, device=device)[None, :] < batch.completion_lens[:, None]).nonzero(as_tuple=True)
         logp, entropy = logp.view(B, C)[index], entropy.view(B, C)[index]
     zeros = torch.zeros(batch.completion_ids.shape, dtype=logp.dtype, device=device)

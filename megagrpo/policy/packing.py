@@ -24,6 +24,7 @@ class PackedRows:
     rows: torch.Tensor           # (K,) row of each completion token in the (B, C) layout
     cols: torch.Tensor           # (K,) column of each completion token in the (B, C) layout
     order: list                  # the sequences' indices in the order they lie in the flattened rows
+    real: torch.Tensor           # (R, W) bool, False on the rows' padding
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]],
@@ -47,6 +48,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
     width = max(loads)
     input_ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(bins), width), dtype=torch.long)
+    real = torch.zeros((len(bins), width), dtype=torch.bool)
     predict_at, targets, rows, cols, order = [], [], [], [], []
     for r, members in enumerate(bins):
         offset = 0
@@ -56,6 +58,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
             n = len(prompt) + len(completion)
             input_ids[r, offset:offset + n] = torch.tensor(prompt + completion)
             position_ids[r, offset:offset + n] = torch.arange(n)
+            real[r, offset:offset + n] = True
             start = r * width + offset + len(prompt) - 1
             predict_at.extend(range(start, start + len(completion)))
             targets.extend(completion)
@@ -66,7 +69,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
     as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
     return PackedRows(input_ids=input_ids, position_ids=position_ids,
                       predict_at=as_long(predict_at), targets=as_long(targets),
-                      rows=as_long(rows), cols=as_long(cols), order=order)
+                      rows=as_long(rows), cols=as_long(cols), order=order, real=real)
 
 
 def balanced_microbatches(lengths: list[int], max_tokens: int, min_count: int = 1) -> list[list[int]]:

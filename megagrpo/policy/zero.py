@@ -14,6 +14,7 @@ import deepspeed
 import torch
 
 from megagrpo.algorithm.loss import LossInputs, micro_batch_loss
+from megagrpo.cluster.distributed import all_reduce
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import Config
 from megagrpo.policy import lora
@@ -21,6 +22,7 @@ from megagrpo.policy.base import Policy
 from megagrpo.policy.batch import RolloutBatch
 from megagrpo.policy.logprobs import completion_logprobs
 from megagrpo.policy.models import initialize, load_model
+from megagrpo.policy.moe import attach_routing, checkpoint_names
 from megagrpo.policy.sequence_parallel import SequenceParallel, sum_gradients_over_sp
 from megagrpo.policy.weight_gather import named_full_tensors
 
@@ -37,6 +39,8 @@ class ZeroPolicy(Policy):
             model = lora.add_adapters(model, cfg.model.lora, self.g.seed)
         if self.sp is not None:
             sum_gradients_over_sp(self.deepspeed.config, model)
+        self.routing = attach_routing(model)  # an MoE model's routers, hooked (policy/moe.py)
+        self.old_routes: list = []  # per micro-batch, the old-policy pass's routes
         self.engine = initialize(model, cfg, self.deepspeed, total_steps, topology.deepspeed_mpu)
         self.reference = self._build_reference() if self.g.kl_coef > 0 and not self.is_lora else None
 
@@ -67,36 +71,51 @@ class ZeroPolicy(Policy):
             with lora.adapters_disabled(self.engine.module):
                 return self._logprobs(self.engine, batch, micro_batches)
         model = self.reference if reference else self.engine
-        return None if model is None else self._logprobs(model, batch, micro_batches)
+        return None if model is None else self._logprobs(model, batch, micro_batches, record_routes=not reference)
 
-    def _logprobs(self, model, batch, micro_batches) -> torch.Tensor:
+    def _logprobs(self, model, batch, micro_batches, record_routes: bool = False) -> torch.Tensor:
+        """record_routes: keep an MoE policy's routes per micro-batch (the old-policy pass's,
+        which the update passes compare with and, under routing replay R2, replay)."""
         out = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
         model.eval()
+        self.old_routes = []
         with torch.no_grad():
             for rows in micro_batches:  # an empty micro-batch still runs (ZeRO-3 gathers are collective)
                 logp = self._forward(model, batch.select(rows or [0]))[0]
                 if rows:
                     out[torch.tensor(rows)[:, None], torch.arange(logp.shape[1])[None, :]] = logp
+                if record_routes and self.routing is not None:
+                    self.old_routes.append(self.routing.recorded())
         return out
 
     def optimize(self, batch, micro_batches) -> dict:
         stats, normalisers = self.new_stats(), self.loss_normalisers(batch)
         self.engine.train()
         grad_norm = None
-        for _ in range(self.g.num_iterations):
+        if self.routing is not None:  # routing replay R2, load counts, the load-balancing loss
+            self.routing.begin_step(self.old_routes, self.cfg.rollout.routing_replay == "r2",
+                                    self.cfg.model.router_aux_loss_coef)
+        for passed in range(self.g.num_iterations):
             for i, rows in enumerate(micro_batches):
                 self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
                 # a rank with fewer sequences than micro-batches still runs the forward
                 # (ZeRO-3 gathers are collective) and contributes zero
                 mb, share = (batch.select(rows), 1.0) if rows else (batch.select([0]), 0.0)
+                if self.routing is not None:
+                    self.routing.before_update(i)
                 logp, entropy = self._forward(self.engine, mb)
                 inputs = LossInputs(mb.completion_mask, mb.advantages, mb.sampler_logp, mb.old_logp, mb.ref_logp)
                 loss = micro_batch_loss(self.g, logp, entropy, inputs, normalisers, share, stats if rows else None)
+                if self.routing is not None:
+                    loss = loss + self.routing.after_update(i, passed, share / len(micro_batches))
                 self.engine.backward(loss, scale_wrt_gas=False)
             grad_norm = self._grad_norm_before_step()
             self.engine.step()
         reported = self.engine.get_global_grad_norm()
-        return self.step_metrics(stats, self.topo.dp_group, reported if reported is not None else grad_norm)
+        metrics = self.step_metrics(stats, self.topo.dp_group, reported if reported is not None else grad_norm)
+        if self.routing is not None:
+            metrics.update(self.routing.end_step(lambda t: all_reduce(t, group=self.topo.dp_group)))
+        return metrics
 
     def _grad_norm_before_step(self) -> Optional[float]:
         """DeepSpeed reports the gradient norm under ZeRO and bf16, not for plain fp32 ZeRO-0:
@@ -121,4 +140,6 @@ class ZeroPolicy(Policy):
     def full_tensors(self, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         if self.is_lora:
             return lora.merged_full_tensors(self.engine.module, self.cfg.rollout.sync_bucket_mb, changed_only)
-        return named_full_tensors(self.engine.module, self.cfg.rollout.sync_bucket_mb, trained_only=changed_only)
+        tensors = named_full_tensors(self.engine.module, self.cfg.rollout.sync_bucket_mb, trained_only=changed_only)
+        # an MoE model's experts under their checkpoint names (vLLM's loaders take those)
+        return tensors if self.routing is None else checkpoint_names(tensors, self.engine.module)

@@ -31,7 +31,7 @@ from megagrpo.config.schema import Config
 from megagrpo.console import on_terminal
 from megagrpo.multimodal.processor import join_image_tensors
 from megagrpo.policy.batch import Completion
-from megagrpo.rollout.vllm_models import refresh_tied_lm_head, skip_input_embedding_prepack
+from megagrpo.rollout.vllm_models import refresh_after_reload, skip_input_embedding_prepack
 from megagrpo.rollout.vllm_settings import vllm_settings
 
 
@@ -131,7 +131,7 @@ class VLLMGenerator:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         finally:
             self.reload_warnings.partial = False
-        self.llm.collective_rpc(_refresh_tied_lm_head)
+        self.llm.collective_rpc(_refresh_after_reload)
         self.llm.reset_prefix_cache()
         if self.llm.model_config.is_multimodal_model:
             # Image features from the old weights must go; and the worker's reload clears its
@@ -183,7 +183,7 @@ class _ExpectedReloadWarnings(logging.Filter):
       and so our stream, never hold it, and the restored cache is the right one.
     - ParallelLMHead of a model with tied embeddings: the stream sends the shared weight once,
       as the embedding (vLLM skips lm_head.weight of tied models anyway); the head is then
-      re-derived from the new embedding by _refresh_tied_lm_head. tests/test_rollout_weight_sync.py shows the
+      re-derived from the new embedding by _refresh_after_reload. tests/test_rollout_weight_sync.py shows the
       engine's log-probs after a sync equal the trainer's. (docs/upstream-issues.md)
     While a partial stream loads (`partial`), every layer it leaves out warns so, and vLLM
     lists the weights it did not receive: both are dropped then."""
@@ -201,8 +201,8 @@ class _ExpectedReloadWarnings(logging.Filter):
         return not (rest == "Failed to load weights" and (self.partial or layer in self.expected))
 
 
-def _refresh_tied_lm_head(worker) -> None:
-    refresh_tied_lm_head(worker.model_runner.get_model())
+def _refresh_after_reload(worker) -> None:
+    refresh_after_reload(worker.model_runner.get_model())
 
 
 def _input_embeddings_skip_gemm_prepack(worker) -> None:

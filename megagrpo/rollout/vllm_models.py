@@ -13,6 +13,34 @@ def refresh_tied_lm_head(model) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
+def refresh_after_reload(model) -> None:
+    """What an in-place reload of the model's weights leaves stale, made new (the two below)."""
+    refresh_tied_lm_head(model)
+    prepack_cpu_experts(model)
+
+
+def prepack_cpu_experts(model) -> None:
+    """On CPU, vLLM runs a mixture of experts' layers on prepacked weights (its grouped-GEMM
+    block layout, made once at load time). An in-place reload takes the new weights in
+    checkpoint order and skips that step on every load after the first (the kernel exists
+    already), so the experts computed with unpacked weights: log-probs off by 0.17 on the tiny
+    Qwen3-MoE after a reload of unchanged weights (vllm 0.32; docs/upstream-issues.md). Prepack
+    them again, in place. (With the padded width the kernel needs, a reload is refused.)"""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if type(experts) is not CPUUnquantizedExperts or experts._use_zentorch:
+            continue
+        if experts._padded_intermediate_size(experts.moe_config) != experts.moe_config.intermediate_size_per_partition:
+            raise NotImplementedError("vLLM's CPU experts pad their width to a multiple of 32: an in-place reload of "
+                                      "them is not supported here; give the experts a width divisible by 32")
+        for weight in (layer.w13_weight, layer.w2_weight):
+            weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
+
+
 def skip_input_embedding_prepack(model) -> None:
     """On CPU, vLLM prepares every vocabulary-sized embedding for a matmul when its weights load
     (`process_weights_after_loading`: a oneDNN prepacked copy of the whole [vocab, hidden]

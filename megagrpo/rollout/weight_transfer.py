@@ -137,9 +137,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        from megagrpo.rollout.vllm_models import refresh_tied_lm_head
+        from megagrpo.rollout.vllm_models import refresh_after_reload
         finalize_layerwise_reload(self.model, self.model_config)
-        refresh_tied_lm_head(self.model)
+        refresh_after_reload(self.model)
 
     def shutdown(self) -> None:
         self.group = None

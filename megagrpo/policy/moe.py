@@ -1,0 +1,243 @@
+"""Mixture-of-experts policies: the routers' routes, recorded, replayed and counted.
+
+Every router of the model (transformers' top-k router: softmax over the experts, the top k
+taken, their weights renormalised where the architecture does) gets a forward hook:
+  - record: the experts each token was sent to, per layer (the routes of the last forward);
+  - replay: the routes given instead of the router's own choice. The gate weights are still
+    the current router's probabilities, read at the replayed experts (and renormalised as the
+    architecture does), so the router keeps its gradient; with the router's own routes
+    replayed, the forward is bit-identical to one without the hook;
+  - count: each expert's share of the real tokens per layer (the expert-load metrics), and,
+    when asked, the router logits for the load-balancing loss.
+
+Routing replay R2 (rollout.routing_replay=r2): the routes of the old-policy pass are
+replayed in every update pass over the same micro-batch, so a step's updates never move a
+token to other experts than those its old log-prob was computed with (docs/moe.md).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megagrpo.config.schema import Config, require
+
+ROUTERS = {"qwen3_moe": "Qwen3MoeTopKRouter", "mixtral": "MixtralTopKRouter"}
+"""model_type -> the transformers router class hooked here (softmax top-k routers)."""
+
+
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""config.json keys of mixture-of-experts models (Qwen2/3-MoE, Mixtral, DeepSeek, ...)."""
+
+
+def check_moe(cfg: Config) -> None:
+    """A mixture-of-experts model goes where its path is tested, or is refused with the reason."""
+    path = os.path.join(cfg.model.name_or_path, "config.json")
+    if not os.path.isfile(path):
+        return  # a hub name: read when it loads
+    with open(path) as f:
+        model = json.load(f)
+    experts = next((key for key in EXPERT_KEYS if model.get(key)), None)
+    if experts is None:
+        return
+    kind, p = model.get("model_type"), cfg.parallel
+    where = f"model.name_or_path: '{cfg.model.name_or_path}' is a mixture-of-experts model ({kind}, {experts}=" \
+            f"{model[experts]})"
+    require(kind in ROUTERS, f"{where}; megagrpo trains {', '.join(ROUTERS)} so far (their softmax top-k routers "
+            "are the ones routing replay and the expert metrics hook; docs/moe.md)")
+    for key, value, why in [
+            ("parallel.tensor_parallel_size", p.tensor_parallel_size,
+             "AutoTP has no split plan for the 3-D expert tensors; ZeRO-3 partitions them"),
+            ("parallel.pipeline_parallel_size", p.pipeline_parallel_size,
+             "the pipeline's layer map holds dense decoder layers only"),
+            ("parallel.sequence_parallel_size", p.sequence_parallel_size,
+             "routes are recorded and replayed per packed row, which sp would split")]:
+        require(value == 1, f"{key}: {value} with {where}: not supported ({why}); use 1")
+    require(cfg.model.lora.r == 0, f"model.lora.r: {cfg.model.lora.r} with {where}: not supported yet (the "
+            "merged weight sync of adapters on 3-D expert tensors is not built); train all weights (lora.r=0)")
+    require(not cfg.model.tiled_mlp, f"model.tiled_mlp with {where}: not supported (the tiles wrap a dense MLP); "
+            "set model.tiled_mlp=false")
+    require(cfg.rollout.routing_replay != "r3",
+            f"rollout.routing_replay: r3 with {where}: not available: vLLM 0.32 returns the sampler's routes "
+            "(enable_return_routed_experts) only under its Model Runner V2, which needs Triton, so not on the CPU "
+            "build, and the trainer does not take them yet; use r2 (or none)")
+    require(cfg.model.router_aux_loss_coef >= 0,
+            f"model.router_aux_loss_coef: {cfg.model.router_aux_loss_coef} must be >= 0 (0: off)")
+
+
+def is_moe(config) -> bool:
+    """Whether an HF config describes a mixture-of-experts model trained here."""
+    return getattr(config, "model_type", None) in ROUTERS
+
+
+class Routing:
+    """The routers of one model in layer order, hooked. Set `replay` (per layer, (N, k) expert
+    ids for the N tokens of the next forward) before a forward to replay routes; `real_tokens`
+    ((N,) bool) says which of the N are not padding (logprobs.py sets it per forward)."""
+
+    def __init__(self, model: torch.nn.Module):
+        kind = ROUTERS[model.config.model_type]
+        self.routers = [m for m in model.modules() if type(m).__name__ == kind]
+        self.num_experts = int(self.routers[0].num_experts)
+        self.top_k = int(self.routers[0].top_k)
+        self.replay: Optional[list[torch.Tensor]] = None
+        self.real_tokens: Optional[torch.Tensor] = None
+        self.routes: list[Optional[torch.Tensor]] = [None] * len(self.routers)  # used by the last forward
+        self.own_routes: list[Optional[torch.Tensor]] = [None] * len(self.routers)  # the routers' own choice
+        self.keep_logits = False
+        self.old, self.replay_old, self.aux_coef = [], False, 0.0
+        self.logits: list[Optional[torch.Tensor]] = [None] * len(self.routers)
+        self.load = torch.zeros(len(self.routers), self.num_experts, dtype=torch.float64)
+        for layer, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(layer))
+
+    @property
+    def route_dtype(self) -> torch.dtype:
+        """The smallest integer type that holds an expert id: routes are kept per token."""
+        return torch.uint8 if self.num_experts <= 256 else torch.int16
+
+    def _hook(self, layer: int):
+        def hook(router, inputs, output):
+            logits, scores, experts = output
+            self.own_routes[layer] = experts.detach().to(self.route_dtype)
+            if self.replay is not None:
+                experts = self.replay[layer].to(experts.device, torch.long)
+                chosen = F.softmax(logits.float(), dim=-1).gather(-1, experts)
+                if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises
+                    chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+                scores = chosen.to(scores.dtype)
+            self.routes[layer] = experts.detach().to(self.route_dtype)
+            if self.keep_logits:
+                self.logits[layer] = logits
+            return logits, scores, experts
+        return hook
+
+    def _real(self, n: int, device) -> torch.Tensor:
+        real = self.real_tokens
+        return torch.ones(n, dtype=torch.bool, device=device) if real is None else real.to(device)
+
+    def recorded(self) -> list[torch.Tensor]:
+        """The last forward's routes, per layer (N, k), to replay later."""
+        return [r.clone() for r in self.routes]
+
+    def count_load(self) -> None:
+        """Add the last forward's real tokens to each layer's per-expert counts."""
+        for layer, routes in enumerate(self.routes):
+            real = self._real(routes.shape[0], routes.device)
+            counts = torch.bincount(routes[real].reshape(-1).long(), minlength=self.num_experts)
+            self.load[layer] += counts.double().cpu()
+
+    def flipped_tokens(self, routes: list[torch.Tensor], old: list[torch.Tensor]) -> int:
+        """The real tokens whose experts in `routes` differ from `old` in any layer: the route
+        flips between two passes over the same micro-batch."""
+        real = self._real(old[0].shape[0], old[0].device)
+        differs = torch.zeros_like(real)
+        for now, before in zip(routes, old):
+            differs |= (now.sort(dim=-1).values != before.sort(dim=-1).values).any(dim=-1)
+        return int((differs & real).sum())
+
+    # ---- one training step's update passes ----------------------------------------------------
+
+    def begin_step(self, old_routes: list, replay: bool, aux_coef: float) -> None:
+        """old_routes: per micro-batch, the old-policy pass's routes ([] when there was none);
+        replay: replay them in the update passes (R2); aux_coef: the load-balancing loss's."""
+        self.old, self.replay_old, self.aux_coef = old_routes, replay, aux_coef
+        self.keep_logits = aux_coef > 0
+        self.flips = torch.zeros(3, dtype=torch.float64)  # used routes flipped, own routes flipped, real tokens
+        self.aux = torch.zeros(2, dtype=torch.float64)  # loss summed, forwards
+
+    def before_update(self, micro_batch: int) -> None:
+        self.replay = self.old[micro_batch] if self.replay_old and self.old else None
+
+    def after_update(self, micro_batch: int, pass_index: int, weight: float):
+        """Count the forward (load in the first pass; route flips against the old-policy pass
+        in later ones, where the weights have moved) and return its share of the
+        load-balancing loss (weight x aux_coef x loss; 0 when off). The replayed routes stay
+        set until the next forward: gradient checkpointing recomputes it in backward."""
+        if pass_index == 0:
+            self.count_load()
+        elif self.old:
+            old = self.old[micro_batch]
+            real = int(self._real(old[0].shape[0], old[0].device).sum())
+            self.flips += torch.tensor([self.flipped_tokens(self.routes, old),
+                                        self.flipped_tokens(self.own_routes, old), real], dtype=torch.float64)
+        if self.aux_coef <= 0:
+            return 0.0
+        loss = self.aux_loss()
+        self.aux += torch.tensor([float(loss.detach()), 1.0], dtype=torch.float64)
+        return self.aux_coef * weight * loss
+
+    def end_step(self, reduce_sum) -> dict:
+        """The step's MoE metrics, summed over the ranks by reduce_sum: expert load per layer,
+        route flips (moe/route_flips: tokens whose experts in an update pass differ from the
+        old-policy pass's, 0 under replay; moe/route_flips_own: those whose router chose
+        differently, which replay overrode) and the load-balancing loss."""
+        out = self.load_metrics(reduce_sum)
+        flips, aux = reduce_sum(self.flips), reduce_sum(self.aux)
+        if flips[2] > 0:
+            out["moe/route_flips"] = float(flips[0] / flips[2])
+            out["moe/route_flips_own"] = float(flips[1] / flips[2])
+        if aux[1] > 0:
+            out["moe/aux_loss"] = float(aux[0] / aux[1])
+        self.keep_logits, self.old, self.replay = False, [], None
+        return out
+
+    def aux_loss(self) -> torch.Tensor:
+        """The last forward's load-balancing loss over its real tokens (the Switch
+        Transformer's, as transformers computes it), summed over nothing more: one value."""
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        real = self._real(self.logits[0].shape[0], self.logits[0].device)
+        return load_balancing_loss_func(tuple(logits[real] for logits in self.logits), self.num_experts,
+                                        self.top_k, None)
+
+    def load_metrics(self, reduce_sum) -> dict:
+        """Expert load per layer since the last call, summed over the ranks by `reduce_sum`:
+        the largest and smallest expert's share of the tokens routed, and the entropy of the
+        shares over log(experts) (1: perfectly even). Also the worst layer's of each."""
+        counts = reduce_sum(self.load.clone())
+        self.load.zero_()
+        out = {}
+        for layer, row in enumerate(counts):
+            total = float(row.sum())
+            if total == 0:
+                continue
+            share = row / total
+            entropy = -float((share[share > 0] * share[share > 0].log()).sum()) / math.log(self.num_experts)
+            out[f"moe/layer_{layer}/load_max"] = float(share.max())
+            out[f"moe/layer_{layer}/load_min"] = float(share.min())
+            out[f"moe/layer_{layer}/load_entropy"] = entropy
+        if out:
+            for what, worst in (("load_max", max), ("load_min", min), ("load_entropy", min)):
+                out[f"moe/{what}"] = worst(v for k, v in out.items() if k.endswith("/" + what))
+        return out
+
+
+def checkpoint_names(tensors: Iterator[tuple[str, torch.Tensor]], module: torch.nn.Module):
+    """An MoE model's (name, tensor) stream under its checkpoint's names: transformers holds the
+    experts of a layer as 3-D tensors (experts.gate_up_proj, experts.down_proj) and writes them
+    back per expert (experts.E.gate_proj.weight, or Mixtral's block_sparse_moe.experts.E.w1),
+    which vLLM's loaders and every other reader take. transformers' own reverse conversion,
+    one tensor at a time."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name, tensor in tensors:
+        yield from revert_weight_conversion(module, {name: tensor}).items()
+
+
+def routing_of(model) -> Optional[Routing]:
+    """The Routing attached to a (DeepSpeed-wrapped) model, or None for a dense one."""
+    module = getattr(model, "module", model)
+    return getattr(module, "megagrpo_routing", None)
+
+
+def attach_routing(model: torch.nn.Module) -> Optional[Routing]:
+    """Hook the routers of an MoE model (before deepspeed.initialize); None for a dense one."""
+    if not is_moe(model.config):
+        return None
+    model.megagrpo_routing = Routing(model)
+    return model.megagrpo_routing
