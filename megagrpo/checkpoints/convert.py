@@ -52,6 +52,7 @@ from megagrpo.config.schema import ConfigError
 from megagrpo.dtypes import DTYPES
 from megagrpo.multimodal.processor import PROCESSOR_FILES
 from megagrpo.policy import lora
+from megagrpo.policy.moe import checkpoint_names, is_moe
 from megagrpo.process_exit import exit_without_teardown
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -239,9 +240,24 @@ def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: i
     else:
         tied = json.load(open(os.path.join(model, "config.json"))).get("tie_word_embeddings", False)
         tensors = ((n, t) for n, t in hf_tensors(ckpt, model, info) if not (tied and n == "lm_head.weight"))
+        tensors = checkpoint_format(tensors, model)
     log(f"{ckpt}: {info['kind']} -> {out}")
     write_safetensors(tensors, out, shard_mb, DTYPES[dtype] if dtype else None, always_index=True)
     _copy_side_files(model, out, dtype)
+
+
+def checkpoint_format(tensors: Iterator[tuple[str, torch.Tensor]], model: str):
+    """A mixture of experts' tensors under its checkpoint's names (per expert, as the run's
+    export writes them: policy/moe.py), read off a model built on the meta device; a dense
+    model's as they are."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model)
+    if not is_moe(config):
+        return tensors
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return checkpoint_names(tensors, skeleton)
 
 
 def _adapter(ckpt: str, info: dict) -> tuple[dict, dict]:

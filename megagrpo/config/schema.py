@@ -129,6 +129,10 @@ class ParallelConfig:
     sequence_parallel_size: int = 1
     """Ranks that split each packed row along the sequence (DeepSpeed Ulysses), for trajectories
     too long for one rank; any ZeRO stage, grpo.packing on, no tensor or pipeline parallelism."""
+    expert_parallel_size: int = 1
+    """A mixture-of-experts policy: ranks that split each layer's experts (DeepSpeed AutoEP;
+    tokens travel to their experts' ranks by all-to-all), inside the data-parallel ranks: dp
+    must be a multiple of it. Any ZeRO stage (docs/moe.md)."""
 
 
 @dataclass

@@ -22,6 +22,7 @@ from megagrpo.config.deepspeed_json import read_deepspeed_config
 from megagrpo.config.schema import Config
 from megagrpo.dtypes import DTYPES
 from megagrpo.multimodal.models import auto_model_class, in_vision_tower
+from megagrpo.policy.expert_parallel import deepspeed_section
 from megagrpo.policy.logprobs import install_logprob_head
 from megagrpo.policy.sequence_parallel import SequenceParallel, use_ulysses_attention
 from megagrpo.policy.tiled_mlp import tile_mlps
@@ -58,6 +59,11 @@ class DeepSpeedSettings:
         if cfg.parallel.tensor_parallel_size > 1:
             ds["tensor_parallel"] = {**ds.get("tensor_parallel", {}),
                                      "autotp_size": cfg.parallel.tensor_parallel_size}
+        if cfg.parallel.expert_parallel_size > 1:  # DeepSpeed's AutoEP (policy/expert_parallel.py)
+            from transformers import AutoConfig
+
+            model_type = AutoConfig.from_pretrained(cfg.model.name_or_path).model_type
+            ds["expert_parallel"] = deepspeed_section(model_type, cfg.parallel.expert_parallel_size)
         ds.setdefault("steps_per_print", 10**9)
         ds.setdefault("wall_clock_breakdown", False)
         return cls(ds)

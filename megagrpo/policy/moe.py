@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from megagrpo.config.schema import Config, require
+from megagrpo.policy.expert_parallel import is_autoep_layer, replace_routes, router_modules
 
 ROUTERS = {"qwen3_moe": "Qwen3MoeTopKRouter", "mixtral": "MixtralTopKRouter"}
 """model_type -> the transformers router class hooked here (softmax top-k routers)."""
@@ -43,6 +44,9 @@ def check_moe(cfg: Config) -> None:
         model = json.load(f)
     experts = next((key for key in EXPERT_KEYS if model.get(key)), None)
     if experts is None:
+        require(cfg.parallel.expert_parallel_size == 1,
+                f"parallel.expert_parallel_size: {cfg.parallel.expert_parallel_size} with a dense model "
+                f"('{cfg.model.name_or_path}' has no experts); use 1")
         return
     kind, p = model.get("model_type"), cfg.parallel
     where = f"model.name_or_path: '{cfg.model.name_or_path}' is a mixture-of-experts model ({kind}, {experts}=" \
@@ -65,6 +69,12 @@ def check_moe(cfg: Config) -> None:
             f"rollout.routing_replay: r3 with {where}: not available: vLLM 0.32 returns the sampler's routes "
             "(enable_return_routed_experts) only under its Model Runner V2, which needs Triton, so not on the CPU "
             "build, and the trainer does not take them yet; use r2 (or none)")
+    ep, experts_count = p.expert_parallel_size, int(model[experts])
+    require(ep >= 1 and experts_count % ep == 0,
+            f"parallel.expert_parallel_size: {ep} must be >= 1 and divide the {experts_count} experts of {where}")
+    world = int(os.environ.get("WORLD_SIZE", ep))
+    require(world % ep == 0, f"parallel.expert_parallel_size: {ep} does not divide the world size {world}; launch "
+            f"a multiple of {ep} ranks")
     require(cfg.model.router_aux_loss_coef >= 0,
             f"model.router_aux_loss_coef: {cfg.model.router_aux_loss_coef} must be >= 0 (0: off)")
 
@@ -80,8 +90,12 @@ class Routing:
     ((N,) bool) says which of the N are not padding (logprobs.py sets it per forward)."""
 
     def __init__(self, model: torch.nn.Module):
-        kind = ROUTERS[model.config.model_type]
-        self.routers = [m for m in model.modules() if type(m).__name__ == kind]
+        self.autoep = any(is_autoep_layer(m) for m in model.modules())
+        if self.autoep:  # DeepSpeed's AutoEP replaced the MoE blocks (expert_parallel.py)
+            self.routers = router_modules(model)
+        else:
+            kind = ROUTERS[model.config.model_type]
+            self.routers = [m for m in model.modules() if type(m).__name__ == kind]
         self.num_experts = int(self.routers[0].num_experts)
         self.top_k = int(self.routers[0].top_k)
         self.replay: Optional[list[torch.Tensor]] = None
@@ -102,18 +116,23 @@ class Routing:
 
     def _hook(self, layer: int):
         def hook(router, inputs, output):
-            logits, scores, experts = output
-            self.own_routes[layer] = experts.detach().to(self.route_dtype)
-            if self.replay is not None:
-                experts = self.replay[layer].to(experts.device, torch.long)
-                chosen = F.softmax(logits.float(), dim=-1).gather(-1, experts)
-                if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises
-                    chosen = chosen / chosen.sum(dim=-1, keepdim=True)
-                scores = chosen.to(scores.dtype)
+            replay = None if self.replay is None else self.replay[layer]
+            if self.autoep:  # (scores, experts, tokens per expert); the logits kept apart
+                self.own_routes[layer] = output[1].detach().to(self.route_dtype)
+                output, experts, logits = replace_routes(router, output, replay)
+            else:  # transformers' (logits, scores, experts)
+                logits, scores, experts = output
+                self.own_routes[layer] = experts.detach().to(self.route_dtype)
+                if replay is not None:
+                    experts = replay.to(experts.device, torch.long)
+                    chosen = F.softmax(logits.float(), dim=-1).gather(-1, experts)
+                    if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises
+                        chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+                    output = (logits, chosen.to(scores.dtype), experts)
             self.routes[layer] = experts.detach().to(self.route_dtype)
             if self.keep_logits:
                 self.logits[layer] = logits
-            return logits, scores, experts
+            return output
         return hook
 
     def _real(self, n: int, device) -> torch.Tensor:
@@ -236,7 +255,8 @@ def routing_of(model) -> Optional[Routing]:
 
 
 def attach_routing(model: torch.nn.Module) -> Optional[Routing]:
-    """Hook the routers of an MoE model (before deepspeed.initialize); None for a dense one."""
+    """Hook the routers of an MoE model: transformers' before deepspeed.initialize, AutoEP's
+    after it (it replaces the MoE blocks); None for a dense model."""
     if not is_moe(model.config):
         return None
     model.megagrpo_routing = Routing(model)

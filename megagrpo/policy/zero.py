@@ -20,6 +20,7 @@ from megagrpo.config.schema import Config
 from megagrpo.policy import lora
 from megagrpo.policy.base import Policy
 from megagrpo.policy.batch import RolloutBatch
+from megagrpo.policy.expert_parallel import hf_named_tensors
 from megagrpo.policy.logprobs import completion_logprobs
 from megagrpo.policy.models import initialize, load_model
 from megagrpo.policy.moe import attach_routing, checkpoint_names
@@ -39,9 +40,12 @@ class ZeroPolicy(Policy):
             model = lora.add_adapters(model, cfg.model.lora, self.g.seed)
         if self.sp is not None:
             sum_gradients_over_sp(self.deepspeed.config, model)
-        self.routing = attach_routing(model)  # an MoE model's routers, hooked (policy/moe.py)
+        expert_parallel = cfg.parallel.expert_parallel_size > 1  # AutoEP replaces the MoE blocks at initialize
+        self.routing = None if expert_parallel else attach_routing(model)  # an MoE model's routers (moe.py)
         self.old_routes: list = []  # per micro-batch, the old-policy pass's routes
         self.engine = initialize(model, cfg, self.deepspeed, total_steps, topology.deepspeed_mpu)
+        if expert_parallel:
+            self.routing = attach_routing(self.engine.module)
         self.reference = self._build_reference() if self.g.kl_coef > 0 and not self.is_lora else None
 
     def _build_reference(self):
@@ -140,6 +144,7 @@ class ZeroPolicy(Policy):
     def full_tensors(self, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         if self.is_lora:
             return lora.merged_full_tensors(self.engine.module, self.cfg.rollout.sync_bucket_mb, changed_only)
-        tensors = named_full_tensors(self.engine.module, self.cfg.rollout.sync_bucket_mb, trained_only=changed_only)
+        gather = hf_named_tensors if self.cfg.parallel.expert_parallel_size > 1 else named_full_tensors
+        tensors = gather(self.engine.module, self.cfg.rollout.sync_bucket_mb, trained_only=changed_only)
         # an MoE model's experts under their checkpoint names (vLLM's loaders take those)
         return tensors if self.routing is None else checkpoint_names(tensors, self.engine.module)

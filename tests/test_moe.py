@@ -1,0 +1,119 @@
+"""Mixture-of-experts policies (docs/moe.md): tiny random Qwen3-MoE and Mixtral models from
+tools/make_tiny_model.py --arch (8 experts, top 2), trained with vLLM co-located.
+
+Each trains 2 steps of 2 update passes (routing replay R2) on one rank and on dp 2 with ZeRO-3 (its experts partitioned), held to each other: the step-1 loss,
+the gradient norms, the parameters after 2 steps, vLLM's log-probs after each sync (whose
+experts are reloaded under their per-expert checkpoint names), and `convert to-hf` of the
+ZeRO-3 checkpoint against the export. The one-rank Qwen3-MoE run is repeated without replay:
+the routes of the update after an optimizer step differ from the old-policy pass's there, and
+with R2 they do not, while the routers' own choice moved as much. (The load-balancing loss
+is on in that run only: computed per micro-batch, as transformers computes it per forward, it
+is not the same sum over other micro-batches, so runs with it on differ across layouts.)"""
+import json
+import os
+import sys
+
+import pytest
+import torch
+from conftest import PYTHON, ROOT, run, tiny_overrides, torchrun
+from runs import assert_same_run, values
+from safetensors.torch import load_file
+
+from megagrpo.checkpoints.convert import main as convert
+
+COMMON = ["data.eval_file=null", "grpo.max_steps=2", "grpo.learning_rate=1e-3", "logging.sample_steps=0",
+          "grpo.num_iterations=2",
+          "rewards.functions=[spread_reward:distinct_characters]"]
+HELPERS = {"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "helpers")])}  # the reward
+EXPERT_NAMES = {"qwen3_moe": "model.layers.0.mlp.experts.7.up_proj.weight",
+                "mixtral": "model.layers.0.block_sparse_moe.experts.7.w3.weight"}
+
+
+def make_model(tiny, tmp_path, arch):
+    model = tmp_path / arch
+    run([PYTHON, "tools/make_tiny_model.py", "--arch", arch, "--out", str(model),
+         "--corpus", os.path.join(tiny["data"], "sft.jsonl")])
+    config = json.load(open(model / "config.json"))
+    assert config["model_type"] == arch and config["num_experts_per_tok"] == 2
+    assert config.get("num_experts", config.get("num_local_experts")) == 8
+    assert EXPERT_NAMES[arch] in load_file(str(model / "model.safetensors"))  # the checkpoint's names, per expert
+    return model
+
+
+def train(tiny, tmp_path, name, launch, model, *extra):
+    out = tmp_path / name
+    run([*launch, "megagrpo.train", "--config", "configs/tiny_arith.yaml",
+         *tiny_overrides({**tiny, "warm": str(model)}, out), *COMMON, *extra], timeout=600, env=HELPERS)
+    return out
+
+
+def check_expert_metrics(out, experts=8):
+    for step in range(2):
+        top, bottom = values(out, "train/moe/load_max")[step], values(out, "train/moe/load_min")[step]
+        assert 1 / experts < top <= 1 and 0 <= bottom < 1 / experts, (top, bottom)
+        assert 0 < values(out, "train/moe/load_entropy")[step] <= 1
+        assert values(out, "train/moe/layer_1/load_max")[step] <= top
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_on_dp2_zero3_equals_one_rank_and_replay_holds_the_routes(tiny, tmp_path, arch):
+    model = make_model(tiny, tmp_path, arch)
+    one = train(tiny, tmp_path, "one_rank", [sys.executable, "-m"], model, "grpo.per_device_train_batch_size=16",
+                "checkpoint.save_steps=0")
+    dp2 = train(tiny, tmp_path, "dp2_zero3", torchrun(2, "-m"), model, "grpo.per_device_train_batch_size=8",
+                "deepspeed=configs/ds_zero3.json", "checkpoint.save_steps=2")
+    start = load_file(str(model / "model.safetensors"))
+    exported = assert_same_run(dp2, one, loss_atol=1e-5, grad_norm_rtol=1e-5, param_atol=1e-5)
+    assert sorted(exported) == sorted(start)  # the export keeps the checkpoint's per-expert names
+    assert (exported[EXPERT_NAMES[arch]] - start[EXPERT_NAMES[arch]]).abs().max() > 1e-4  # an expert trained
+    for out in (one, dp2):
+        # vLLM samples what the trainer scores, after each sync of the experts
+        assert max(values(out, "train/sampling/sampling_logp_difference/max")) < 1e-4
+        check_expert_metrics(out)
+        assert values(out, "train/moe/route_flips") == [0.0, 0.0]  # R2: the update used the old pass's routes
+    assert max(values(one, "train/moe/route_flips_own")) > 0  # ... where the routers would have moved some
+    converted = tmp_path / "converted"
+    assert convert(["to-hf", str(dp2 / "checkpoints" / "step_00000002"), str(converted)]) == 0
+    offline = load_file(str(converted / "model-00001.safetensors"))
+    assert sorted(offline) == sorted(exported) and all(torch.equal(offline[k], exported[k]) for k in exported)
+    if arch != "qwen3_moe":
+        return
+    fresh = train(tiny, tmp_path, "no_replay", [sys.executable, "-m"], model, "grpo.per_device_train_batch_size=16",
+                  "checkpoint.save_steps=0", "rollout.routing_replay=none", "model.router_aux_loss_coef=0.01")
+    flips, own = values(fresh, "train/moe/route_flips"), values(fresh, "train/moe/route_flips_own")
+    assert min(flips) > 0 and flips == own, (flips, own)  # without replay the used routes are the routers' own
+    assert min(values(fresh, "train/moe/aux_loss")) > 0  # the load-balancing loss, on
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_routes_are_recorded_replayed_and_counted_in_one_forward(tiny, tmp_path, arch):
+    """In process, on the tiny model: replaying a forward's own routes gives the same logits bit
+    for bit; other routes change them while the router still gets its gradient; the
+    load-balancing loss equals transformers' own; padding is not counted."""
+    from transformers import AutoModelForCausalLM
+
+    from megagrpo.policy.moe import attach_routing
+
+    model = AutoModelForCausalLM.from_pretrained(str(make_model(tiny, tmp_path, arch)), dtype=torch.float32)
+    routing = attach_routing(model)
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    routing.keep_logits = True
+    out = model(ids, output_router_logits=True)
+    routes = routing.recorded()
+    assert len(routes) == 2 and routes[0].shape == (24, 2) and routes[0].dtype == torch.uint8
+    torch.testing.assert_close(routing.aux_loss(), out.aux_loss, rtol=1e-6, atol=0)  # transformers' own
+    routing.replay = routes
+    assert torch.equal(model(ids).logits, out.logits)
+    moved = [(r.long() + 1) % 8 for r in routes]  # every token to other experts
+    routing.replay = moved
+    replayed = model(ids).logits
+    assert (replayed - out.logits).abs().max() > 1e-3
+    assert all(torch.equal(used.long(), want) for used, want in zip(routing.routes, moved))
+    replayed.sum().backward()
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routing.routers)
+    assert routing.flipped_tokens(routing.routes, routes) == 24  # all moved
+    routing.replay, routing.real_tokens = None, torch.arange(24) < 20  # the last 4 tokens are padding
+    model(ids)
+    routing.count_load()
+    assert routing.load.sum(dim=1).tolist() == [40.0, 40.0]  # 20 real tokens x top 2, per layer
