@@ -78,7 +78,8 @@ class Trainer:
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         os.makedirs(cfg.output_dir, exist_ok=True)
         self.step, self.generator_synced = 0, False  # after the first sync only changed weights move
-        self.log(topology.describe())
+        ep = cfg.parallel.expert_parallel_size
+        self.log(topology.describe() + (f"; each MoE layer's experts split over {ep} ranks (AutoEP)" if ep > 1 else ""))
 
     # ---- the run ------------------------------------------------------------------------------
 

@@ -363,6 +363,11 @@ def _check_resumable(path: str, this_run: TrainerState, topo: Topology) -> bool:
     if saved_lora != adapters:
         raise ConfigError(f"checkpoint '{path}' was saved with model.lora={saved_lora or 'off'}, this run has "
                           f"model.lora={adapters or 'off'}; resume with the same adapter settings")
+    saved_ep, ep = state.get("layout", {}).get("ep", 1), this_run.layout.get("ep", 1)
+    if saved_ep != ep:
+        raise ConfigError(f"checkpoint '{path}' was saved with parallel.expert_parallel_size={saved_ep}, this run has "
+                          f"{ep}; AutoEP's expert shards are not re-sharded to another size yet: resume with "
+                          f"expert_parallel_size={saved_ep}")
     try:
         reshard = needs_reshard(state, topo.dp_size, topo.tp_size, topo.pp_size, prompts_per_step, zero, topo.sp_size)
     except ValueError as e:

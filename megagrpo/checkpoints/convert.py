@@ -231,6 +231,11 @@ def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: i
     if not info["complete"]:
         raise ConvertError(f"{ckpt}: incomplete checkpoint (no {MARKER} marker); convert a complete one")
     model = model or info["trainer_state"].get("model")
+    ep = info["trainer_state"].get("layout", {}).get("ep", 1)
+    if ep > 1:
+        raise ConvertError(f"{ckpt}: saved with parallel.expert_parallel_size={ep}; AutoEP's expert shards are not "
+                           "read offline yet: use the run's HF export (output_dir/hf, checkpoint.save_hf_at_end), "
+                           "written from the live model")
     if not model or not os.path.isfile(os.path.join(model, "config.json")):
         raise ConvertError(f"{ckpt}: the HF folder for config and tokenizer is unknown or missing "
                            f"('{model}'); pass --model PATH (the run's model.name_or_path)")

@@ -84,6 +84,7 @@ class Policy:
         """The run's layout as a checkpoint records it (TrainerState.layout); a checkpoint
         resumes only onto a layout that these allow (checkpoints/checkpoint.py)."""
         return {"tp": self.topo.tp_size, "pp": self.topo.pp_size, "sp": self.topo.sp_size,
+                "ep": self.cfg.parallel.expert_parallel_size,
                 "zero_stage": self.deepspeed.zero_stage,
                 "dtype": self.cfg.model.dtype, "lora": lora.checkpoint_entry(self.cfg.model.lora)}
 
