@@ -97,15 +97,28 @@ def test_missing_files(tiny, tmp_path):
         load_config("nope.yaml", [])
 
 
-@pytest.mark.parametrize("model_type,key", [("qwen3_moe", "num_experts"), ("mixtral", "num_local_experts")])
-def test_mixture_of_experts_models_are_refused(tiny, tmp_path, model_type, key):
+@pytest.mark.parametrize("model_type,key,overrides,refusal", [
+    ("deepseek_v3", "n_routed_experts", [], r"is a mixture-of-experts model \(deepseek_v3, n_routed_experts=8\); "
+     "megagrpo trains qwen3_moe, mixtral so far"),
+    ("qwen3_moe", "num_experts", ["parallel.tensor_parallel_size=2"],
+     r"parallel.tensor_parallel_size: 2 with .* \(qwen3_moe, num_experts=8\): not supported \(AutoTP has no split"),
+    ("mixtral", "num_local_experts", ["rollout.routing_replay=r3"],
+     r"rollout.routing_replay: r3 with .*: not available: vLLM 0.32 returns the sampler's routes"),
+    ("mixtral", "num_local_experts", ["model.lora.r=8"], r"model.lora.r: 8 with .*: not supported yet"),
+    ("qwen3_moe", "num_experts", ["parallel.expert_parallel_size=3"],
+     r"parallel.expert_parallel_size: 3 must be >= 1 and divide the 8 experts"),
+    ("qwen3_moe", "num_experts", ["model.router_aux_loss_coef=-1"], r"model.router_aux_loss_coef: -1.0 must be >= 0"),
+    ("qwen2", None, ["parallel.expert_parallel_size=2"], r"parallel.expert_parallel_size: 2 with a dense model"),
+])
+def test_mixture_of_experts_layouts_that_are_not_built_are_refused(tiny, tmp_path, model_type, key, overrides,
+                                                                    refusal):
     model = tmp_path / model_type
     model.mkdir()
     config = json.load(open(os.path.join(tiny["warm"], "config.json")))
-    (model / "config.json").write_text(json.dumps({**config, "model_type": model_type, key: 8}))
-    with pytest.raises(ConfigError, match=rf"is a mixture-of-experts model \({model_type}, {key}=8\); megagrpo "
-                                          "trains dense models only"):
-        load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [f"model.name_or_path={model}"])
+    (model / "config.json").write_text(json.dumps({**config, "model_type": model_type, **({key: 8} if key else {})}))
+    with pytest.raises(ConfigError, match=refusal):
+        load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [f"model.name_or_path={model}",
+                                                                                 *overrides])
 
 
 def test_cli_reports_config_error_before_building_anything(tiny, tmp_path):

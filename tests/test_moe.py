@@ -31,6 +31,18 @@ EXPERT_NAMES = {"qwen3_moe": "model.layers.0.mlp.experts.7.up_proj.weight",
                 "mixtral": "model.layers.0.block_sparse_moe.experts.7.w3.weight"}
 
 
+@pytest.fixture(scope="module")
+def models(tiny, tmp_path_factory):
+    """arch -> the tiny random model, made once for this file's tests."""
+    made = {}
+
+    def model_of(arch):
+        if arch not in made:
+            made[arch] = make_model(tiny, tmp_path_factory.mktemp("moe"), arch)
+        return made[arch]
+    return model_of
+
+
 def make_model(tiny, tmp_path, arch):
     model = tmp_path / arch
     run([PYTHON, "tools/make_tiny_model.py", "--arch", arch, "--out", str(model),
@@ -59,8 +71,8 @@ def check_expert_metrics(out, experts=8):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_moe_on_dp2_zero3_equals_one_rank_and_replay_holds_the_routes(tiny, tmp_path, arch):
-    model = make_model(tiny, tmp_path, arch)
+def test_moe_on_dp2_zero3_equals_one_rank_and_replay_holds_the_routes(tiny, models, tmp_path, arch):
+    model = models(arch)
     one = train(tiny, tmp_path, "one_rank", [sys.executable, "-m"], model, "grpo.per_device_train_batch_size=16",
                 "checkpoint.save_steps=0")
     dp2 = train(tiny, tmp_path, "dp2_zero3", torchrun(2, "-m"), model, "grpo.per_device_train_batch_size=8",
@@ -95,7 +107,7 @@ def test_moe_on_dp2_zero3_equals_one_rank_and_replay_holds_the_routes(tiny, tmp_
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_routes_are_recorded_replayed_and_counted_in_one_forward(tiny, tmp_path, arch):
+def test_routes_are_recorded_replayed_and_counted_in_one_forward(models, arch):
     """In process, on the tiny model: replaying a forward's own routes gives the same logits bit
     for bit; other routes change them while the router still gets its gradient; the
     load-balancing loss equals transformers' own; padding is not counted."""
@@ -103,7 +115,7 @@ def test_routes_are_recorded_replayed_and_counted_in_one_forward(tiny, tmp_path,
 
     from megagrpo.policy.moe import attach_routing
 
-    model = AutoModelForCausalLM.from_pretrained(str(make_model(tiny, tmp_path, arch)), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(models(arch)), dtype=torch.float32)
     routing = attach_routing(model)
     ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     routing.keep_logits = True
