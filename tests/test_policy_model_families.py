@@ -8,7 +8,7 @@ vLLM co-located, and the parallel runs are held to
 the one-rank run: the step-1 loss, both gradient norms (to 1e-6: the drift of Qwen3's q/k norms
 summed over one tp rank's heads only was 1.2e-5), the parameters after 2 steps, and vLLM's
 log-probs after each sync. Each parallel run's step-2 checkpoint, converted offline with `megagrpo
-convert to-hf`, equals its HF export. MoE models are refused at start (test_config.py).
+convert to-hf`, equals its HF export. Mixtures of experts: tests/test_moe.py.
 
 The random models' completions all score zero on the task, so the runs use a reward with spread
 on any text (tests/helpers/spread_reward.py)."""
