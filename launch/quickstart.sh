@@ -10,6 +10,7 @@
 #   TINY=1 LORA=1 bash launch/quickstart.sh   # the tiny task with a LoRA policy (configs/tiny_lora.yaml)
 #   AGENT=1 bash launch/quickstart.sh         # the tiny multi-turn task: 3-digit products with the python tool
 #   VLM=1 bash launch/quickstart.sh           # a tiny vision-language model (Idefics3): colours of shapes in images
+#   MOE=1 bash launch/quickstart.sh           # a tiny mixture of experts (Qwen3-MoE), experts split over the ranks
 #   NUM_RANKS=1 bash launch/quickstart.sh     # one rank
 #   bash launch/quickstart.sh grpo.max_steps=60 rollout.engine=hf   # any config override
 #   RG_TASK=leg_counting RG_ARGS='{"max_animals": 2}' bash launch/quickstart.sh   # another reasoning-gym task
@@ -18,8 +19,9 @@ cd "$(dirname "$0")/.."
 AGENT="${AGENT:-0}"
 TINY="${TINY:-0}"
 VLM="${VLM:-0}"
+MOE="${MOE:-0}"
 # the real model is the default; the agentic task exists for the tiny model only
-if [ "$TINY" = 1 ] || [ "$AGENT" = 1 ] || [ "$VLM" = 1 ]; then REAL=0; else REAL=1; fi
+if [ "$TINY" = 1 ] || [ "$AGENT" = 1 ] || [ "$VLM" = 1 ] || [ "$MOE" = 1 ]; then REAL=0; else REAL=1; fi
 GRPO_DIR=grpo
 REWARD=answer_match
 if [ "$REAL" = 1 ]; then
@@ -37,6 +39,10 @@ elif [ "${LORA:-0}" = 1 ]; then
 elif [ "$VLM" = 1 ]; then
   # images of two shapes; "what colour is the largest?" (docs/multimodal.md)
   RUN_DIR="${RUN_DIR:-runs/vlm}" CONFIG=configs/tiny_vlm.yaml TASK=shapes TOOLS="--steps 250" TOOL_TOKENS="--arch idefics3"
+elif [ "$MOE" = 1 ]; then
+  # a tiny Qwen3-MoE on the addition task, its experts split over the ranks (docs/moe.md)
+  RUN_DIR="${RUN_DIR:-runs/moe}" CONFIG=configs/tiny_moe.yaml TASK=add TOOLS="" TOOL_TOKENS="--arch qwen3_moe"
+  set -- parallel.expert_parallel_size="${NUM_RANKS:-2}" "$@"
 elif [ "$AGENT" = 1 ]; then
   # multi-turn rows differ in length: the warm start pads each half of a length-sorted batch alone
   RUN_DIR="${RUN_DIR:-runs/agent}" CONFIG=configs/tiny_agent.yaml TASK=multiply TOOLS="--tools python --micro-batches 2 --steps 400"

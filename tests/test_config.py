@@ -132,11 +132,14 @@ def test_cli_reports_config_error_before_building_anything(tiny, tmp_path):
 
 
 def test_every_shipped_config_validates(tiny, tmp_path):
-    """On the tiny model (2 attention heads): a config's vLLM tp 8 is set back to the trainer's;
-    the real shapes with their vLLM tp are validated by test_cluster_launch.py's dry runs."""
+    """On the tiny model (2 attention heads): a config's vLLM tp 8 is set back to the trainer's,
+    and its expert parallelism to none (the tiny model is dense; the MoE configs are validated on
+    the tiny MoE model by test_moe.py); the real shapes with their vLLM tp are validated by
+    test_cluster_launch.py's dry runs."""
     import glob
     for path in glob.glob(f"{ROOT}/configs/*.yaml"):
-        cfg = load_config(path, tiny_overrides(tiny, tmp_path, **{"rollout.tensor_parallel_size": "null"}))
+        cfg = load_config(path, tiny_overrides(tiny, tmp_path, **{"rollout.tensor_parallel_size": "null",
+                                                                  "parallel.expert_parallel_size": "1"}))
         assert cfg.grpo.num_generations >= 2
 
 

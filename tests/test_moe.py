@@ -106,6 +106,13 @@ def test_moe_on_dp2_zero3_equals_one_rank_and_replay_holds_the_routes(tiny, mode
     assert min(values(fresh, "train/moe/aux_loss")) > 0  # the load-balancing loss, on
 
 
+def test_the_moe_quickstart_config_validates_on_the_tiny_moe_model(tiny, models, tmp_path):
+    from megagrpo.validation import load_config
+
+    cfg = load_config("configs/tiny_moe.yaml", tiny_overrides({**tiny, "warm": str(models("qwen3_moe"))}, tmp_path))
+    assert (cfg.parallel.expert_parallel_size, cfg.rollout.routing_replay, cfg.grpo.num_iterations) == (2, "r2", 2)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_routes_are_recorded_replayed_and_counted_in_one_forward(models, arch):
     """In process, on the tiny model: replaying a forward's own routes gives the same logits bit

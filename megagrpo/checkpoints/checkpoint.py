@@ -204,11 +204,13 @@ def _save_trained_only(engine, root: str, tag: str) -> None:
 
 def _prune(root: str, keep_last: int, current: str) -> None:
     """Keep the newest keep_last checkpoints up to `current` (the one `latest` names); a pruned
-    checkpoint's universal form (made when a run re-sharded it) goes with it."""
+    checkpoint's universal forms (made when a run re-sharded it: `<tag>.universal`, and
+    `<tag>.universal-hf` / `-autoep` with its experts renamed) go with it."""
     tags = [t for t in complete_checkpoints(root) if t <= current]
     for tag in tags[:-keep_last]:
         shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
-        shutil.rmtree(os.path.join(root, f"{tag}.universal"), ignore_errors=True)
+        for suffix in UNIVERSAL_SUFFIXES:
+            shutil.rmtree(os.path.join(root, f"{tag}{suffix}"), ignore_errors=True)
 
 
 def read_trainer_state(path: str) -> dict:
@@ -216,14 +218,25 @@ def read_trainer_state(path: str) -> dict:
         return json.load(f)
 
 
-def to_universal(path: str, is_main: bool) -> str:
+UNIVERSAL_SUFFIXES = (".universal", ".universal-hf", ".universal-autoep")
+
+
+def to_universal(path: str, is_main: bool, autoep_preset: Optional[str] = None) -> str:
     """Collective: DeepSpeed's universal form of a ZeRO 1-3 checkpoint (ds_to_universal), made
     once next to it as `<tag>.universal`; returns its folder. A universal checkpoint loads
-    under another number of data-parallel ranks, and an AutoTP one also at tp=1."""
+    under another number of data-parallel ranks, and an AutoTP one also at tp=1. An AutoEP
+    checkpoint's experts are whole there ([E, ...], DeepSpeed slices each ep rank's out of them
+    at load, for any ep size); `autoep_preset`: the AutoEP preset of the model that will load it
+    (None: a model without AutoEP). When the checkpoint was saved with AutoEP and the model has
+    none, or the other way round, the experts' parameter names differ: the form made is
+    `<tag>.universal-hf` (or `-autoep`), its expert folders renamed and joined or split
+    (_rename_experts)."""
     import subprocess
     import sys
 
-    out = f"{path}.universal"
+    saved = _autoep_of(path)
+    rename = None if (saved is None) == (autoep_preset is None) else ("hf" if saved else "autoep")
+    out = f"{path}.universal" + (f"-{rename}" if rename else "")
     if is_main and not os.path.isdir(out):
         tmp = f"{out}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -232,26 +245,128 @@ def to_universal(path: str, is_main: bool) -> str:
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"ds_to_universal failed on '{path}':\n{proc.stderr[-3000:]}")
+        if rename == "hf":
+            _experts_to_hf(os.path.join(tmp, "zero"), *saved)
+        elif rename == "autoep":
+            _experts_to_autoep(os.path.join(tmp, "zero"), autoep_preset)
         os.rename(tmp, out)
     _barrier()
     return out
 
 
-def needs_reshard(state: dict, dp: int, tp: int, pp: int, prompts_per_step: int, zero: int, sp: int = 1) -> bool:
+def _autoep_of(path: str) -> Optional[tuple[list, str]]:
+    """(AutoEP layers, preset) a checkpoint was saved with (its model-states file's
+    ds_autoep_layers and DeepSpeed config), or None: saved without AutoEP."""
+    from megagrpo.checkpoints.convert import _autoep_layers, _files, _load
+
+    _, model_files, _ = _files(path)
+    state = _load(model_files[0], mmap=True)
+    layers = _autoep_layers(state)
+    if layers is None:
+        return None
+    return layers, (state.get("ds_config") or {}).get("expert_parallel", {}).get("preset_model")
+
+
+def _preset(name: str):
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
+    preset = PRESET_MODELS.get(name)
+    if preset is None or preset.expert_storage != "fused_3d" or preset.expert_w3 is not None:
+        raise ValueError(f"AutoEP preset '{name}': its experts are not fused 3-D gate_up/down tensors; "
+                         "they are not renamed between AutoEP and transformers' names")
+    return preset
+
+
+def _state_files(folder: str) -> list[str]:
+    return sorted(f for f in os.listdir(folder) if f.endswith(".pt"))
+
+
+def _experts_to_hf(zero: str, layers: list, preset_name: str) -> None:
+    """A universal checkpoint's zero/ folder, saved with AutoEP, under transformers' names (as
+    policy/expert_parallel.py names the live model's): per MoE layer L and state (fp32, exp_avg,
+    exp_avg_sq), L.experts.gate_up_proj = cat(experts.w1, experts.w3, dim=1) and
+    L.experts.down_proj = experts.w2 (whole: [E, ...]), L.router.gate.* -> L.gate.*, shared experts
+    as the preset names them."""
+    from types import SimpleNamespace
+
+    from deepspeed.checkpoint.constants import PARAM
+    from megagrpo.policy.expert_parallel import _hf_name
+
+    preset, stub = _preset(preset_name), SimpleNamespace(model_family=preset_name)
+    for entry in layers:
+        layer, experts = entry["module_path"], entry["expert_key_prefix"]
+        hf = f"{layer}.{preset.experts_pattern}"
+        w1, w2, w3 = (os.path.join(zero, f"{experts}.{w}") for w in ("w1", "w2", "w3"))
+        keys = _state_files(w1)
+        if keys != _state_files(w3) or keys != _state_files(w2):
+            raise RuntimeError(f"{zero}: {experts}.w1/w2/w3 hold different states")
+        for target, parts in ((f"{hf}.{preset.expert_w1}", (w1, w3)), (f"{hf}.{preset.expert_w2}", (w2,))):
+            os.makedirs(os.path.join(zero, target))
+            for key in keys:
+                loaded = [torch.load(os.path.join(part, key), weights_only=False) for part in parts]
+                tensors = [t[PARAM] if isinstance(t, dict) else t for t in loaded]
+                torch.save(torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0],
+                           os.path.join(zero, target, key))
+        for part in (w1, w2, w3):
+            shutil.rmtree(part)
+        for name in os.listdir(zero):
+            if name.startswith(f"{layer}.") and not name.startswith(f"{hf}."):
+                renamed = f"{layer}.{_hf_name(name[len(layer) + 1:], stub)}"
+                if renamed != name:
+                    os.rename(os.path.join(zero, name), os.path.join(zero, renamed))
+
+
+def _experts_to_autoep(zero: str, preset_name: str) -> None:
+    """The inverse of _experts_to_hf, for a checkpoint saved without AutoEP loaded by a model with
+    it: L.experts.gate_up_proj [E, 2I, H] split into experts.w1 and w3, down_proj as w2, each
+    marked as DeepSpeed's universal expert tensors are (whole, [E, ...]: each ep rank's experts
+    are sliced out at load); L.gate.* -> L.router.gate.*; shared experts renamed back."""
+    from deepspeed.checkpoint.constants import CAT_DIM, EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
+
+    preset = _preset(preset_name)
+    gate_up = f".{preset.experts_pattern}.{preset.expert_w1}"
+    back = {preset.router_pattern: "router.gate", preset.shared_experts_pattern: "shared_experts",
+            preset.shared_experts_gate_pattern: "shared_experts_gate"}
+    for layer in [n[:-len(gate_up)] for n in os.listdir(zero) if n.endswith(gate_up)]:
+        source = {w: os.path.join(zero, f"{layer}.{preset.experts_pattern}.{w}")
+                  for w in (preset.expert_w1, preset.expert_w2)}
+        for w in ("w1", "w2", "w3"):
+            os.makedirs(os.path.join(zero, f"{layer}.experts.{w}"))
+        for key in _state_files(source[preset.expert_w1]):
+            fused = torch.load(os.path.join(source[preset.expert_w1], key), weights_only=False)
+            down = torch.load(os.path.join(source[preset.expert_w2], key), weights_only=False)
+            if not torch.is_tensor(fused) or fused.dim() != 3:
+                raise RuntimeError(f"{source[preset.expert_w1]}/{key}: not an [E, 2I, H] tensor")
+            half = fused.shape[1] // 2
+            for w, tensor in (("w1", fused[:, :half]), ("w3", fused[:, half:]), ("w2", down)):
+                torch.save({PARAM: tensor.contiguous(), CAT_DIM: 0, EP_IS_EXPERT_PARAM: True,
+                            EP_NUM_EXPERTS: tensor.shape[0]}, os.path.join(zero, f"{layer}.experts.{w}", key))
+        for folder in source.values():
+            shutil.rmtree(folder)
+        for name in os.listdir(zero):
+            head, _, rest = name[len(layer) + 1:].partition(".") if name.startswith(f"{layer}.") else ("", "", "")
+            if head in back and head:
+                os.rename(os.path.join(zero, name), os.path.join(zero, f"{layer}.{back[head]}.{rest}"))
+
+
+def needs_reshard(state: dict, dp: int, tp: int, pp: int, prompts_per_step: int, zero: int, sp: int = 1,
+                  ep: int = 1) -> bool:
     """Whether a checkpoint with trainer state `state` must be re-sharded to continue on this
     layout; ValueError says why it cannot. Re-sharding goes through DeepSpeed's universal
     checkpoint: dp may change (same global batch), and a tensor-parallel (AutoTP) checkpoint
     may go to tp=1; both sides ZeRO 1-3, no pipeline. sp may change too (ZeRO partitions over
-    dp x sp ranks)."""
+    dp x sp ranks), and the expert-parallel size ep (AutoEP: the universal form holds each
+    layer's experts whole; to_universal renames them when one side has no AutoEP)."""
     saved = state.get("layout", {})
     was_dp, was_tp, was_pp = state.get("dp_size", dp), saved.get("tp", tp), saved.get("pp", pp)
-    was_sp = saved.get("sp", 1)
+    was_sp, was_ep = saved.get("sp", 1), saved.get("ep", 1)
     if was_pp != pp:
         raise ValueError(f"was saved with pp={was_pp}, this run has pp={pp}; re-sharding across pipeline "
                          "layouts is not supported: resume with the same pipeline_parallel_size")
-    if (was_dp, was_tp, was_sp) == (dp, tp, sp):
+    if (was_dp, was_tp, was_sp, was_ep) == (dp, tp, sp, ep):
         return False
-    change = f"dp={was_dp} x sp={was_sp} x tp={was_tp} to dp={dp} x sp={sp} x tp={tp}"
+    experts = (lambda n: f" x ep={n}") if (was_ep, ep) != (1, 1) else (lambda n: "")
+    change = f"dp={was_dp} x sp={was_sp} x tp={was_tp}{experts(was_ep)} to dp={dp} x sp={sp} x tp={tp}{experts(ep)}"
     if pp > 1:
         raise ValueError(f"is a pipeline checkpoint; re-sharding it ({change}) is not supported "
                          "(DeepSpeed's universal checkpoint does not load pipeline layer files)")
@@ -271,14 +386,16 @@ def needs_reshard(state: dict, dp: int, tp: int, pp: int, prompts_per_step: int,
 
 def load(engine, path: str, rank: int, reshard: bool = False, is_main: bool = False) -> dict:
     """Collective: restore the engine, this rank's RNG; returns the trainer state. With
-    reshard, the checkpoint was saved with another dp (or tp, see needs_reshard): it is loaded
+    reshard, the checkpoint was saved with another dp (or tp, sp, ep, see needs_reshard): it is loaded
     through its universal form, and the ranks' RNG states (which belong to the old ranks) are
     not restored."""
     if not os.path.isfile(os.path.join(path, MARKER)):
         raise FileNotFoundError(f"checkpoint '{path}' is incomplete (no {MARKER} marker)")
     strict = not os.path.isfile(os.path.join(path, ADAPTER_CONFIG))  # LoRA: the base comes from the model folder
     if reshard:
-        universal = to_universal(path, is_main)
+        experts = getattr(engine._config, "expert_parallel_config", None)  # this run's AutoEP, if any
+        universal = to_universal(path, is_main, experts.preset_model if experts is not None and experts.enabled
+                                 else None)
         engine._config.load_universal_checkpoint = True  # read by engine.load_checkpoint only
         try:
             load_path, _ = engine.load_checkpoint(os.path.dirname(universal), tag=os.path.basename(universal),
@@ -320,8 +437,10 @@ def resume(policy, root: str, setting: str, this_run: TrainerState, topo: Topolo
             note = ""
             if reshard:
                 was, sp = state["layout"], (lambda n: f" x sp {n}" if n > 1 else "")
-                note = (f" (re-sharded from dp {state['dp_size']}{sp(was.get('sp', 1))} x tp {was.get('tp', 1)} "
-                        f"to dp {topo.dp_size}{sp(topo.sp_size)} x tp {topo.tp_size})")
+                eps = (was.get("ep", 1), this_run.layout.get("ep", 1))
+                ep = (lambda n: f" x ep {n}") if eps != (1, 1) else (lambda n: "")
+                note = (f" (re-sharded from dp {state['dp_size']}{sp(was.get('sp', 1))} x tp {was.get('tp', 1)}"
+                        f"{ep(eps[0])} to dp {topo.dp_size}{sp(topo.sp_size)} x tp {topo.tp_size}{ep(eps[1])})")
             log(f"resumed from {path} at step {state['step']}{note}")
             return {**state, "path": path, "resharded": reshard}
         if setting != "auto":
@@ -349,7 +468,8 @@ def load_reference(state: dict, rank: int) -> dict:
 
 def _check_resumable(path: str, this_run: TrainerState, topo: Topology) -> bool:
     """Refuse a checkpoint this run cannot continue (before loading anything); returns
-    whether it needs re-sharding (saved with another number of data- or tensor-parallel ranks)."""
+    whether it needs re-sharding (saved with another number of data-, tensor-, sequence- or
+    expert-parallel ranks)."""
     num_prompts, prompts_per_step = this_run.num_prompts, this_run.prompts_per_step
     zero, adapters = this_run.layout["zero_stage"], this_run.layout["lora"]
     try:
@@ -363,13 +483,9 @@ def _check_resumable(path: str, this_run: TrainerState, topo: Topology) -> bool:
     if saved_lora != adapters:
         raise ConfigError(f"checkpoint '{path}' was saved with model.lora={saved_lora or 'off'}, this run has "
                           f"model.lora={adapters or 'off'}; resume with the same adapter settings")
-    saved_ep, ep = state.get("layout", {}).get("ep", 1), this_run.layout.get("ep", 1)
-    if saved_ep != ep:
-        raise ConfigError(f"checkpoint '{path}' was saved with parallel.expert_parallel_size={saved_ep}, this run has "
-                          f"{ep}; AutoEP's expert shards are not re-sharded to another size yet: resume with "
-                          f"expert_parallel_size={saved_ep}")
     try:
-        reshard = needs_reshard(state, topo.dp_size, topo.tp_size, topo.pp_size, prompts_per_step, zero, topo.sp_size)
+        reshard = needs_reshard(state, topo.dp_size, topo.tp_size, topo.pp_size, prompts_per_step, zero, topo.sp_size,
+                                this_run.layout.get("ep", 1))
     except ValueError as e:
         raise ConfigError(f"checkpoint '{path}' {e}") from None
     if reshard and adapters:
