@@ -144,3 +144,21 @@ def test_routes_are_recorded_replayed_and_counted_in_one_forward(models, arch):
     model(ids)
     routing.count_load()
     assert routing.load.sum(dim=1).tolist() == [40.0, 40.0]  # 20 real tokens x top 2, per layer
+
+
+def test_a_lora_policy_on_a_mixture_of_experts_adapts_attention_and_syncs_the_experts(tiny, models, tmp_path):
+    """LoRA (all-linear) on the tiny Qwen3-MoE, one rank, ZeRO-3: the adapters go on the attention
+    (the experts are 3-D tensors, not linear layers, so they stay frozen, as do the routers);
+    vLLM samples what the trainer scores after each merged sync, experts included; the export
+    is merged, under the per-expert names."""
+    model = models("qwen3_moe")
+    out = train(tiny, tmp_path, "lora", [sys.executable, "-m"], model, "grpo.per_device_train_batch_size=16",
+                "checkpoint.save_steps=0", "model.lora.r=8", "model.lora.alpha=16", "grpo.learning_rate=1e-2",
+                "deepspeed=configs/ds_zero3.json")
+    assert max(values(out, "train/sampling/sampling_logp_difference/max")) < 1e-4
+    start, merged = load_file(str(model / "model.safetensors")), load_file(str(out / "hf" / "model.safetensors"))
+    assert sorted(merged) == sorted(start)
+    moved = {name for name in start if not torch.equal(merged[name], start[name])}
+    assert moved and all(".self_attn." in name for name in moved), sorted(moved)
+    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert adapter and not any("experts" in name or "mlp.gate" in name for name in adapter)

@@ -24,7 +24,8 @@ from typing import Iterator, Optional
 import torch
 
 from megagrpo.config.schema import Config, ConfigError, LoraConfig, require
-from megagrpo.multimodal.models import in_language_model, is_vision_language
+from megagrpo.multimodal.models import in_language_model, is_vision_language, model_config
+from megagrpo.policy.moe import ROUTERS, is_moe
 
 ADAPTER = "default"  # peft's adapter name; the only one a policy has
 ALL_LINEAR = "all-linear"
@@ -35,11 +36,13 @@ def lora_alpha(lora: LoraConfig) -> float:
 
 
 def target_modules(lora: LoraConfig, model: torch.nn.Module):
-    """peft's target_modules for `model`: as configured for a text model. For a vision-language
-    model, the full names of the language model's linear layers that the targets match: peft's
-    all-linear, and short names such as q_proj, would also match the image encoder's and the
-    connector's layers (docs/multimodal.md)."""
-    if not hasattr(model.config, "vision_config"):
+    """peft's target_modules for `model`: as configured for a dense text model. For a
+    vision-language model or a mixture of experts, the full names of the language model's
+    linear layers that the targets match: peft's all-linear, and short names such as q_proj,
+    would also match the image encoder's and the connector's layers (docs/multimodal.md), and
+    peft would adapt an MoE's 3-D expert tensors, which the merged weight sync does not merge
+    (docs/moe.md)."""
+    if not (hasattr(model.config, "vision_config") or is_moe(model.config)):
         return _configured_targets(lora)
     return sorted(name for name in _linear_layers(model)
                   if in_language_model(name) and any(_is_target(name, t) for t in lora.target_modules))
@@ -56,8 +59,9 @@ def peft_config(lora: LoraConfig, base_model: str = "", targets=None):
     import peft
 
     if targets is None:
-        vision = bool(base_model) and is_vision_language(base_model)
-        targets = target_modules(lora, meta_model(base_model)) if vision else _configured_targets(lora)
+        explicit = bool(base_model) and (is_vision_language(base_model)
+                                         or model_config(base_model).get("model_type") in ROUTERS)
+        targets = target_modules(lora, meta_model(base_model)) if explicit else _configured_targets(lora)
     return peft.LoraConfig(r=lora.r, lora_alpha=lora_alpha(lora), lora_dropout=lora.dropout,
                            target_modules=targets, modules_to_save=list(lora.modules_to_save) or None,
                            bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model or None)

@@ -61,8 +61,10 @@ def check_moe(cfg: Config) -> None:
             ("parallel.sequence_parallel_size", p.sequence_parallel_size,
              "routes are recorded and replayed per packed row, which sp would split")]:
         require(value == 1, f"{key}: {value} with {where}: not supported ({why}); use 1")
-    require(cfg.model.lora.r == 0, f"model.lora.r: {cfg.model.lora.r} with {where}: not supported yet (the "
-            "merged weight sync of adapters on 3-D expert tensors is not built); train all weights (lora.r=0)")
+    require(cfg.model.lora.r == 0 or p.expert_parallel_size == 1,
+            f"model.lora.r: {cfg.model.lora.r} with parallel.expert_parallel_size {p.expert_parallel_size} and "
+            f"{where}: not supported (AutoEP's expert layers under PEFT are not built); use "
+            "expert_parallel_size=1 for LoRA")
     require(not cfg.model.tiled_mlp, f"model.tiled_mlp with {where}: not supported (the tiles wrap a dense MLP); "
             "set model.tiled_mlp=false")
     require(cfg.rollout.routing_replay != "r3",

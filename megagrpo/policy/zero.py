@@ -143,8 +143,9 @@ class ZeroPolicy(Policy):
 
     def full_tensors(self, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         if self.is_lora:
-            return lora.merged_full_tensors(self.engine.module, self.cfg.rollout.sync_bucket_mb, changed_only)
-        gather = hf_named_tensors if self.cfg.parallel.expert_parallel_size > 1 else named_full_tensors
-        tensors = gather(self.engine.module, self.cfg.rollout.sync_bucket_mb, trained_only=changed_only)
+            tensors = lora.merged_full_tensors(self.engine.module, self.cfg.rollout.sync_bucket_mb, changed_only)
+        else:
+            gather = hf_named_tensors if self.cfg.parallel.expert_parallel_size > 1 else named_full_tensors
+            tensors = gather(self.engine.module, self.cfg.rollout.sync_bucket_mb, trained_only=changed_only)
         # an MoE model's experts under their checkpoint names (vLLM's loaders take those)
         return tensors if self.routing is None else checkpoint_names(tensors, self.engine.module)

@@ -127,11 +127,12 @@ class VLLMGenerator:
         keeps the others as they are, and its warnings about them are expected. step: the
         training steps in these weights (a server names them by it)."""
         self.reload_warnings.partial = partial
+        loaded = []
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _recorded(named_tensors, loaded)})
         finally:
             self.reload_warnings.partial = False
-        self.llm.collective_rpc(_refresh_after_reload)
+        self.llm.collective_rpc(_refresh_after_reload, args=(loaded,))
         self.llm.reset_prefix_cache()
         if self.llm.model_config.is_multimodal_model:
             # Image features from the old weights must go; and the worker's reload clears its
@@ -201,8 +202,15 @@ class _ExpectedReloadWarnings(logging.Filter):
         return not (rest == "Failed to load weights" and (self.partial or layer in self.expected))
 
 
-def _refresh_after_reload(worker) -> None:
-    refresh_after_reload(worker.model_runner.get_model())
+def _recorded(named_tensors, names: list):
+    """The (name, tensor) stream, each name added to `names` as it passes."""
+    for name, tensor in named_tensors:
+        names.append(name)
+        yield name, tensor
+
+
+def _refresh_after_reload(worker, loaded: list) -> None:
+    refresh_after_reload(worker.model_runner.get_model(), loaded)
 
 
 def _input_embeddings_skip_gemm_prepack(worker) -> None:

@@ -3,6 +3,8 @@ that megagrpo sends: the co-located engine (generators.py) and the workers of an
 from the trainer (weight_transfer.py). docs/upstream-issues.md lists both."""
 from __future__ import annotations
 
+from typing import Iterable
+
 
 def refresh_tied_lm_head(model) -> None:
     """With tied embeddings the checkpoint has no lm_head weight, so vLLM's in-place reload
@@ -13,23 +15,34 @@ def refresh_tied_lm_head(model) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-def refresh_after_reload(model) -> None:
-    """What an in-place reload of the model's weights leaves stale, made new (the two below)."""
+def refresh_after_reload(model, loaded: Iterable[str] = ()) -> None:
+    """What an in-place reload of the model's weights leaves stale, made new (the two below);
+    loaded: the names of the weights the reload took."""
     refresh_tied_lm_head(model)
-    prepack_cpu_experts(model)
+    prepack_cpu_experts(model, expert_layers(loaded))
 
 
-def prepack_cpu_experts(model) -> None:
+def expert_layers(names: Iterable[str]) -> set[str]:
+    """The expert layers (e.g. model.layers.3.mlp.experts) whose weights are among `names`
+    (checkpoint names: ...experts.E.gate_proj.weight, or 3-D ...experts.gate_up_proj)."""
+    return {name[:name.index(".experts.") + len(".experts")] for name in names if ".experts." in name}
+
+
+def prepack_cpu_experts(model, layers: set[str]) -> None:
     """On CPU, vLLM runs a mixture of experts' layers on prepacked weights (its grouped-GEMM
     block layout, made once at load time). An in-place reload takes the new weights in
     checkpoint order and skips that step on every load after the first (the kernel exists
     already), so the experts computed with unpacked weights: log-probs off by 0.17 on the tiny
     Qwen3-MoE after a reload of unchanged weights (vllm 0.32; docs/upstream-issues.md). Prepack
-    them again, in place. (With the padded width the kernel needs, a reload is refused.)"""
+    again, in place, the `layers` that were reloaded only: a sync of some layers (a LoRA
+    policy's) leaves the others packed. (With the padded width the kernel needs, a reload is
+    refused.)"""
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    for layer in model.modules():
+    for name, layer in model.named_modules():
+        if not any(name == layer_name or name.startswith(layer_name + ".") for layer_name in layers):
+            continue  # not reloaded (vLLM's module: model.layers.N.mlp.experts.routed_experts)
         kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if type(experts) is not CPUUnquantizedExperts or experts._use_zentorch:

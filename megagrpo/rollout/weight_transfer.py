@@ -108,7 +108,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.group = None
+        self.group, self.loaded = None, []
         if device.type == "cpu":
             from megagrpo.rollout.vllm_models import skip_input_embedding_prepack
             skip_input_embedding_prepack(model)
@@ -122,6 +122,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
         initialize_layerwise_reload(self.model)
+        self.loaded = []  # the names this update loads
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
         if self.group is None:
@@ -133,13 +134,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             tensor = torch.empty(shape, dtype=dtype)
             self.group.broadcast(tensor, 0).wait()
             self.model.load_weights([(name, tensor.to(self.device))])
+            self.loaded.append(name)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         from megagrpo.rollout.vllm_models import refresh_after_reload
         finalize_layerwise_reload(self.model, self.model_config)
-        refresh_after_reload(self.model)
+        refresh_after_reload(self.model, self.loaded)
 
     def shutdown(self) -> None:
         self.group = None
