@@ -162,3 +162,18 @@ def test_a_lora_policy_on_a_mixture_of_experts_adapts_attention_and_syncs_the_ex
     assert moved and all(".self_attn." in name for name in moved), sorted(moved)
     adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     assert adapter and not any("experts" in name or "mlp.gate" in name for name in adapter)
+
+
+@pytest.mark.multirank
+def test_dp2_x_ep2_on_four_ranks_equals_one_rank(tiny, models, tmp_path):
+    """4 ranks: dp 4 for the dense weights, each layer's experts split over 2 of them (2 copies of
+    each expert, whose gradients are averaged over its copies), ZeRO-3: the one-rank run's
+    losses, gradient norms and parameters (32 completions a step: a group of 8 per rank)."""
+    model = models("qwen3_moe")
+    one = train(tiny, tmp_path, "one_rank", [sys.executable, "-m"], model, "grpo.per_device_train_batch_size=32",
+                "checkpoint.save_steps=0", "deepspeed=configs/ds_zero3.json")
+    four = train(tiny, tmp_path, "dp2_ep2", torchrun(4, "-m"), model, "grpo.per_device_train_batch_size=8",
+                 "checkpoint.save_steps=0", "deepspeed=configs/ds_zero3.json", "parallel.expert_parallel_size=2")
+    assert_same_run(four, one, loss_atol=1e-5, grad_norm_rtol=1e-5, param_atol=1e-5)
+    assert max(values(four, "train/sampling/sampling_logp_difference/max")) < 1e-4
+    assert values(four, "train/moe/route_flips") == [0.0, 0.0]
