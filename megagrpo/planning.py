@@ -22,7 +22,18 @@ rollout.servers or a disaggregated placement generate. A LoRA policy (model.lora
 adapters only: gradients and optimizer state are the adapters' (r x (in + out) per adapted
 linear layer, plus the modules to save), the frozen base holds weights only (partitioned under
 ZeRO-3 like the adapters), and there is no reference model (the base with its adapters
-disabled is the reference). The peak's parts, each measured: docs/parallelism.md.
+disabled is the reference). A mixture-of-experts model (Qwen3-MoE, Mixtral) holds its 3-D
+expert tensors (mlp.experts.gate_up_proj, down_proj) apart: under AutoEP
+(parallel.expert_parallel_size e) a rank holds E/e experts per layer, and ZeRO partitions them
+(stage 3), their gradients (2) and optimizer state (1-3) over the expert-data-parallel group,
+the dp/e ranks holding the same experts, while the rest (attention, routers, embeddings)
+partitions over dp as a dense model does: the parameter and optimizer-state elements of each
+of 2 ranks equal this count (ZeRO 1 and 3, e 1 and 2, every parameter partitioned: no
+stage3_param_persistence_threshold). The reference and the vLLM engine are built without
+AutoEP: they hold every expert. What ZeRO offloads (offload_optimizer, offload_param;
+model.ref_offload for a ZeRO-3 reference) lives in host memory: on GPUs the peak leaves it out,
+and the optimizer step, which runs there (DeepSpeed's CPU Adam), with it. The peak's parts,
+each measured: docs/parallelism.md.
 """
 from __future__ import annotations
 
@@ -60,6 +71,13 @@ class Plan:
     generating_ranks: int = 0    # rollout.placement=disaggregated: the launch's last ranks (world_size counts them)
     generating_peak: int = 0     # bytes one generating rank holds (its server's share)
     sp: int = 1                  # parallel.sequence_parallel_size: ranks that split each row
+    ep: int = 1                  # parallel.expert_parallel_size: ranks that split each layer's experts (AutoEP)
+    params_experts: int = 0      # of params_total, the 3-D expert tensors (a mixture of experts)
+    experts: tuple = ()          # (experts per layer, top-k, MoE layers) of a mixture of experts
+    expert_bytes: dict = field(default_factory=dict)  # the experts' share of each bytes_per_rank entry
+    params_held: int = 0         # parameters one rank holds before ZeRO-3 partitions them
+    trained_partition: int = 0   # trained parameters in this rank's ZeRO partition (its optimizer state)
+    offloaded: dict = field(default_factory=dict)  # bytes_per_rank keys ZeRO offloads to host memory: the setting
 
     @property
     def zero_partitions(self) -> int:
@@ -82,20 +100,44 @@ def model_config(model_path: str):
 
 def parameter_counts(model_path: str) -> dict:
     """From the model's config, on the meta device: all parameters (a vision-language model's
-    image encoder and connector included), those AutoTP splits, and the image encoder's."""
+    image encoder and connector included), those AutoTP splits, the image encoder's, and a
+    mixture of experts' 3-D expert tensors (experts; their router is 2-D and counts as dense)."""
     from megagrpo.multimodal.models import auto_model_class_of, in_vision_tower
 
     config = model_config(model_path)
     with torch.device("meta"):
         model = auto_model_class_of(config).from_config(config)
-    counts = {"total": 0, "sharded": 0, "vision_tower": 0}
+    counts = {"total": 0, "sharded": 0, "vision_tower": 0, "experts": 0}
     for name, param in model.named_parameters():
         counts["total"] += param.numel()
         if ".layers." in name and param.dim() == 2:
             counts["sharded"] += param.numel()
+        if is_expert_parameter(name, param):
+            counts["experts"] += param.numel()
         if in_vision_tower(name):
             counts["vision_tower"] += param.numel()
     return counts
+
+
+def is_expert_parameter(name: str, param) -> bool:
+    """A mixture of experts' expert tensor: transformers keeps each MoE layer's experts as 3-D
+    parameters [E, ...] (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]), which AutoEP
+    splits over the ep ranks."""
+    return ".experts." in name and param.dim() == 3
+
+
+def moe_shape(config) -> Optional[tuple[int, int, int, int]]:
+    """(experts per layer, top-k, each expert's intermediate size, MoE layers) of a mixture of
+    experts' (text) config, None for a dense model. Qwen3-MoE: every decoder_sparse_step-th
+    layer not in mlp_only_layers; Mixtral: every layer."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    top_k = getattr(config, "num_experts_per_tok", None) or 0
+    if not experts or not top_k:
+        return None
+    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    step, dense = getattr(config, "decoder_sparse_step", 1) or 1, set(getattr(config, "mlp_only_layers", None) or ())
+    layers = sum(1 for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    return int(experts), int(top_k), int(width), layers
 
 
 def count_parameters(model_path: str) -> tuple[int, int]:
@@ -125,32 +167,63 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     parts = dp * sp  # ZeRO partitions
     stage = zero_stage(cfg.deepspeed)
     counts = parameter_counts(cfg.model.name_or_path)
-    total, sharded = counts["total"], counts["sharded"]
+    total, sharded, experts = counts["total"], counts["sharded"], counts["experts"]
     local = sharded // tp + (total - sharded)  # one rank's share before ZeRO
     if pp > 1:  # the largest stage (DeepSpeed's partition by parameters)
         from megagrpo.policy.pipeline_module import ModelParts
         local = max(ModelParts(cfg.model.name_or_path, torch.float32, "sdpa").stage_parameters(pp, tp))
+    # a mixture of experts (tp and pp 1): this rank's E/ep experts per layer, apart from the rest
+    ep = cfg.parallel.expert_parallel_size if experts else 1
+    expert_parts = dp // ep if ep > 1 else parts  # the ranks holding the same experts
+    rank_experts = experts // ep
     lora = cfg.model.lora.r > 0
-    trained = count_trained_parameters(cfg.model.name_or_path, cfg.model.lora) if lora else local
-    if not lora and cfg.model.freeze_vision_tower:
-        trained -= counts["vision_tower"]
-    held = local + trained if lora else local  # a LoRA policy: the frozen base and its adapters
+    dense = local - experts
+    if lora:  # the adapters train; the base, experts included, is frozen
+        trained_dense, trained_experts = count_trained_parameters(cfg.model.name_or_path, cfg.model.lora), 0
+        held_dense = dense + trained_dense  # the frozen base and its adapters
+    else:
+        trained_dense = dense - (counts["vision_tower"] if cfg.model.freeze_vision_tower else 0)
+        trained_experts, held_dense = rank_experts, dense
+    trained = trained_dense + trained_experts
+
+    def split(dense_n: int, experts_n: int, b: int, partitioned: bool, over: int = expert_parts) -> tuple[int, int]:
+        """(all, experts') bytes per rank: ZeRO partitions the rest over dp x sp and the
+        experts over `over` ranks (by default those that hold the same ones)."""
+        expert_bytes = experts_n * b // (over if partitioned else 1)
+        return dense_n * b // (parts if partitioned else 1) + expert_bytes, expert_bytes
+
     weight_b, grad_b, optim_b = BYTES[cfg.model.dtype]
     generator_tp = generator_layout(cfg).generator_tp
-    bytes_per_rank = {
-        "params": held * weight_b // (parts if stage >= 3 else 1),
-        "grads": trained * grad_b // (parts if stage >= 2 else 1),
-        "optimizer": trained * optim_b // (parts if stage >= 1 else 1),
-        "reference": (local * weight_b // (parts if stage >= 3 else 1)) if cfg.grpo.kl_coef > 0 and not lora else 0,
-        # vLLM's share: its tp group splits every layer, the embedding and the head by vocabulary
-        "rollout_weights": 0 if r.servers or generating else -(-total * weight_b // generator_tp),
+    reference = cfg.grpo.kl_coef > 0 and not lora
+    shares = {
+        "params": split(held_dense, rank_experts, weight_b, stage >= 3),
+        "grads": split(trained_dense, trained_experts, grad_b, stage >= 2),
+        "optimizer": split(trained_dense, trained_experts, optim_b, stage >= 1),
+        # built without AutoEP: every expert, partitioned over dp x sp under ZeRO-3
+        "reference": split(dense, experts, weight_b, stage >= 3, over=parts) if reference else (0, 0),
+        # vLLM's share: its tp group splits every layer (every expert), the embedding and the head by vocabulary
+        "rollout_weights": (0, 0) if r.servers or generating else (-(-total * weight_b // generator_tp),
+                                                                    experts * weight_b // generator_tp),
     }
+    bytes_per_rank = {key: value[0] for key, value in shares.items()}
+    zero = read_deepspeed_config(cfg.deepspeed).get("zero_optimization", {})
+    offloaded = {key: setting for key, setting, held_on_host in (
+        ("optimizer", "offload_optimizer", stage >= 1 and _offloads(zero.get("offload_optimizer"))),
+        ("params", "offload_param", stage >= 3 and _offloads(zero.get("offload_param"))),
+        ("reference", "model.ref_offload", stage >= 3 and cfg.model.ref_offload and bytes_per_rank["reference"]))
+        if held_on_host}
     layout = Topology(trainers, 0, 0, tp, pp, sp)
     ranks = [(rank, place.dp_rank, place.tp_rank, place.pp_rank, place.sp_rank) for rank in range(trainers)
              for place in [layout.at(rank)]]
+    shape = moe_shape(model_config(cfg.model.name_or_path).get_text_config()) if experts else None
     plan = Plan(world_size, dp, tp, pp, stage, total, sharded, trained, bytes_per_rank, ranks, lora=lora,
                 generator_tp=generator_tp, servers=list(r.servers),
-                max_staleness=r.max_staleness, generating_ranks=generating, sp=sp)
+                max_staleness=r.max_staleness, generating_ranks=generating, sp=sp, ep=ep,
+                params_experts=experts, experts=(shape[0], shape[1], shape[3]) if shape else (),
+                expert_bytes={key: value[1] for key, value in shares.items()},
+                params_held=held_dense + rank_experts,
+                trained_partition=(trained_dense // parts + trained_experts // expert_parts) if stage >= 1
+                else trained, offloaded=offloaded)
     plan.peak = peak_memory(cfg, plan, trained)
     if generating:  # a server's weights and KV cache, split over its ranks
         shard = -(-total * weight_b // generator_tp)
@@ -160,6 +233,11 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _offloads(section) -> bool:
+    """Whether a ZeRO offload section moves its tensors off the accelerator (device cpu or nvme)."""
+    return bool(section) and str(section.get("device", "none")).lower() not in ("none", "")
 
 
 def engine_bytes(cfg: Config, weights: int) -> int:
@@ -192,13 +270,34 @@ def activation_bytes_per_token(config, layers: int, dtype: str, checkpointing: b
     With activation checkpointing each layer keeps its input (h values) and one layer at a time
     is recomputed in full. With a tiled MLP (model.tiled_mlp) a layer keeps 2 i of the 6 i:
     measured on the same shape, bf16, 2 layers, 4096 -> 8192 tokens, +0.40 GiB against +0.72
-    without tiling (bench/long_context.py; 2 i plans +0.37)."""
+    without tiling (bench/long_context.py; 2 i plans +0.37).
+
+    A mixture-of-experts layer (moe_shape: E experts, top k, expert width m) keeps, in place of
+    the dense MLP's 6 i, k x (2 h + 6 m) values (each routed copy of the token: its hidden state
+    gathered for its expert and the expert's output, and the expert's intermediates counted as
+    the dense MLP's are) plus 4 E + 64 k bytes (the router's float32 probabilities, the top-k
+    indices and weights). Saved-tensor hooks on the MoE block alone (Qwen3-MoE, h 512-1024,
+    m 256-512, E 16-32, k 4-8, bf16 and float32; Mixtral's keeps a little less) measure k (2 h + 4 m) values +
+    4 E + 40 k bytes through transformers' grouped_mm experts, against 4 i for a dense MLP under
+    the same hooks (which this count plans at 6 i); 6 m keeps the dense count's margin. Under
+    DeepSpeed's AutoEP (ep 2 on 2 ranks, three tiny Qwen3-MoE shapes, the same tokens on both)
+    the whole model kept 1.5-6.7% more than through transformers' experts: what a rank's
+    experts drew beyond an even share of the tokens."""
     h, i = config.hidden_size, config.intermediate_size
     b = 4 if dtype == "float32" else 2
-    layer = b * (14 * h + (2 if tiled_mlp else 6) * i) + (4 * h if dtype != "float32" else 0)
+    norms = 4 * h if dtype != "float32" else 0
+    layer = b * (14 * h + (2 if tiled_mlp else 6) * i) + norms
+    shape = moe_shape(config)
+    if shape is None:
+        kept = [layer] * layers
+    else:  # a stage's share of the model's MoE layers (the rest dense)
+        experts, k, m, moe_layers = shape
+        moe_layer = b * (14 * h + k * (2 * h + 6 * m)) + norms + 4 * experts + 64 * k
+        sparse = min(layers, -(-moe_layers * layers // config.num_hidden_layers))
+        kept = [moe_layer] * sparse + [layer] * (layers - sparse)
     if checkpointing:
-        return layers * b * h + layer
-    return layers * layer
+        return layers * b * h + max(kept, default=0)
+    return sum(kept)
 
 
 def microbatch_tokens(cfg: Config) -> int:
@@ -211,16 +310,18 @@ def microbatch_tokens(cfg: Config) -> int:
     return tokens
 
 
-PASS_PARTS = ("activations", "logprob_head", "sequence_parallel", "gradient_reduction")  # freed before the step
+PASS_PARTS = ("activations", "logprob_head", "sequence_parallel", "expert_parallel",
+              "gradient_reduction")  # freed before the step
 STEP_PARTS = ("optimizer_step",)  # allocated after the forward and backward's are freed
+SYNC_PARTS = ("expert_gather",)  # the weight sync's, after the step
 
 
 def peak_total(peak: dict) -> int:
-    """The bytes of a rank's peak: what it holds throughout, plus the larger of the pass's
-    transients and the optimizer step's (one phase at a time: bench/long_context.py measures
-    each phase's peak apart)."""
-    held = sum(v for k, v in peak.items() if k not in PASS_PARTS + STEP_PARTS)
-    return held + max(sum(peak.get(k, 0) for k in PASS_PARTS), sum(peak.get(k, 0) for k in STEP_PARTS))
+    """The bytes of a rank's peak: what it holds throughout, plus the largest of the pass's
+    transients, the optimizer step's and the weight sync's (one phase at a time:
+    bench/long_context.py measures each phase's peak apart)."""
+    held = sum(v for k, v in peak.items() if k not in PASS_PARTS + STEP_PARTS + SYNC_PARTS)
+    return held + max(sum(peak.get(k, 0) for k in parts) for parts in (PASS_PARTS, STEP_PARTS, SYNC_PARTS))
 
 
 def peak_memory(cfg: Config, plan: Plan, trained_params: int, tokens: Optional[int] = None) -> dict:
@@ -242,15 +343,18 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int, tokens: Optional[i
     head = chunk * vocab * 4 * 3  # a chunk's logits, probabilities and their gradient (float32)
     if device == "cpu" and weight_b == 2:
         head += 2 * vocab * hidden * 4  # the float32 copy of the head and its gradient
-    state = sum(plan.bytes_per_rank[k] for k in ("params", "grads", "optimizer"))
+    # on GPUs, what ZeRO offloads lives in host memory (the optimizer's step runs there, DeepSpeed's
+    # CPU Adam); on CPU host memory is the device's. The gradients are counted on the GPU either way.
+    on_host = set(plan.offloaded) if device == "cuda" else set()
+    state = sum(plan.bytes_per_rank[k] for k in ("params", "grads", "optimizer") if k not in on_host)
     zero = read_deepspeed_config(cfg.deepspeed).get("zero_optimization", {})
     peak = {
         "runtime": RUNTIME_BYTES[device],
         "trainer_state": state,
         "gradient_buckets": _bucket_bytes(zero, trained_params, weight_b),
         "gradient_reduction": _reduction_bytes(zero, plan, trained_params, weight_b),
-        "optimizer_step": _step_bytes(plan, trained_params, cfg.model.dtype),
-        "reference": plan.bytes_per_rank["reference"],
+        "optimizer_step": 0 if "optimizer" in on_host else _step_bytes(plan, trained_params, cfg.model.dtype),
+        "reference": 0 if "reference" in on_host else plan.bytes_per_rank["reference"],
         "gathered_params": _gathered_bytes(zero, plan, weight_b),
         "rollout": engine_bytes(cfg, plan.bytes_per_rank["rollout_weights"]),
         "activations": tokens * activation_bytes_per_token(config, layers, cfg.model.dtype,
@@ -258,6 +362,9 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int, tokens: Optional[i
         "logprob_head": head,
         "sequence_parallel": _all_to_all_bytes(config, tokens, weight_b) if plan.sp > 1 else 0,
     }
+    if plan.ep > 1:  # AutoEP's exchanges of one MoE layer, and the weight sync's gather of its experts
+        peak["expert_parallel"] = _expert_all_to_all_bytes(config, tokens, weight_b)
+        peak["expert_gather"] = _expert_gather_bytes(plan, weight_b)
     if device == "cuda" and r.sleep:  # vLLM's weights and KV cache leave the GPU while it trains
         peak["rollout"] = max(0, peak["rollout"] - peak["activations"] - head)
     if r.servers or plan.generating_ranks:  # generation runs in the servers' memory, not the trainers'
@@ -273,8 +380,27 @@ def _gathered_bytes(zero: dict, plan: Plan, weight_b: int) -> int:
     plan without this term (tests/test_train_real_vocab.py holds the plan to that run)."""
     if plan.zero_stage < 3:
         return 0  # the parameters are whole already (trainer_state)
-    whole = plan.bytes_per_rank["params"] * plan.zero_partitions  # this rank's share, ungathered
+    whole = plan.params_held * weight_b  # this rank's share, ungathered (under AutoEP: its experts only)
     return min(whole, int(float(zero.get("stage3_max_live_parameters", 1e9))) * weight_b)
+
+
+def _expert_all_to_all_bytes(config, tokens: int, weight_b: int) -> int:
+    """AutoEP's exchange in one MoE layer (DeepSpeed's all_to_all_single, no persistent buffers:
+    deepspeed/module_inject/auto_ep_layer.py): each of the rank's tokens goes to its top-k
+    experts' ranks and comes back, tokens x k x h values sent and received for the dispatch and
+    again for the combine, in the model's dtype (the backward exchanges gradients of the same
+    size). Planned for an even load: a rank whose experts draw more tokens receives more."""
+    k = moe_shape(config)[1]
+    return 4 * tokens * k * config.hidden_size * weight_b
+
+
+def _expert_gather_bytes(plan: Plan, weight_b: int) -> int:
+    """The weight sync under AutoEP gathers each MoE layer's experts whole, from the ep ranks, to
+    send them under their checkpoint names (policy/expert_parallel.py): the gathered pieces and
+    their concatenation of the layer's largest tensor (gate_up_proj, 2/3 of its experts), held
+    while the next is gathered: about 4/3 of one layer's experts."""
+    per_layer = plan.params_experts // max(1, plan.experts[2])
+    return 4 * per_layer * weight_b // 3
 
 
 STEP_BYTES_PER_PARAMETER = {"float32": 14, "bfloat16": 19}
@@ -287,7 +413,13 @@ on 1 rank 13.8-18.0; float32, 2 layers on 2 ranks 12.2-13.5 (docs/parallelism.md
 
 
 def _step_bytes(plan: Plan, trained_params: int, dtype: str) -> int:
-    return trained_params // plan.zero_partitions * STEP_BYTES_PER_PARAMETER[dtype] if plan.zero_stage else 0
+    """trained_params: the rank's before ZeRO (plan.params_trained, whose partition the plan
+    knows: its experts partitioned over their own group)."""
+    if not plan.zero_stage:
+        return 0
+    partition = (plan.trained_partition if trained_params == plan.params_trained
+                 else trained_params // plan.zero_partitions)
+    return partition * STEP_BYTES_PER_PARAMETER[dtype]
 
 
 def _all_to_all_bytes(config, tokens: int, weight_b: int) -> int:
@@ -322,6 +454,14 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
+def _experts_line(plan: Plan) -> str:
+    experts, top_k, layers = plan.experts or (0, 0, 0)
+    per_rank = f"{experts // plan.ep} per rank (ep {plan.ep})" if plan.ep > 1 else "all on every rank (ep 1)"
+    return (f"experts: {plan.params_experts / 1e6:.2f}M parameters in {layers} MoE layers of {experts} experts "
+            f"(top {top_k}), {per_rank}; dense (attention, routers, embeddings, norms): "
+            f"{(plan.params_total - plan.params_experts) / 1e6:.2f}M")
+
+
 def format_plan(plan: Plan, max_rows: int = 16) -> str:
     trainers = plan.world_size - plan.generating_ranks
     generation = (f"generation on {len(plan.servers)} vLLM server(s) apart from the job, max staleness "
@@ -330,7 +470,9 @@ def format_plan(plan: Plan, max_rows: int = 16) -> str:
         servers = plan.generating_ranks // plan.generator_tp
         generation = (f"generation on ranks {trainers}-{plan.world_size - 1}: {servers} vLLM server(s) of tp "
                       f"{plan.generator_tp}, max staleness {plan.max_staleness}")
-    dims = f"dp {plan.dp}" + (f" x sp {plan.sp}" if plan.sp > 1 else "") + f" x tp {plan.tp} x pp {plan.pp}"
+    dims = (f"dp {plan.dp}" + (f" (ep {plan.ep}: each layer's experts split over {plan.ep} of them)"
+                               if plan.ep > 1 else "")
+            + (f" x sp {plan.sp}" if plan.sp > 1 else "") + f" x tp {plan.tp} x pp {plan.pp}")
     world = f"world {plan.world_size} = " + (f"{trainers} training ({dims}) + {plan.generating_ranks} generating"
                                              if plan.generating_ranks else dims)
     lines = [f"{world}, {generation}; ZeRO stage {plan.zero_stage}",
@@ -340,6 +482,7 @@ def format_plan(plan: Plan, max_rows: int = 16) -> str:
              f"split by tensor parallelism"
              + (f"; LoRA adapters: {plan.params_trained / 1e6:.2f}M trained parameters (the base frozen)"
                 if plan.lora else ""),
+             *([_experts_line(plan)] if plan.params_experts else []),
              "", f"{'rank':>5} {'dp rank':>8} {'tp shard':>9} {'pp stage':>9}"
              + (f" {'sequence slice':>15}" if plan.sp > 1 else "")]
     for rank, dp_rank, tp_rank, stage, sp_rank in plan.ranks[:max_rows]:
@@ -349,16 +492,24 @@ def format_plan(plan: Plan, max_rows: int = 16) -> str:
         lines.append(f"  ... {len(plan.ranks) - max_rows} more ranks, same pattern")
     lines += ["", "model state per rank:"]
     for key, value in plan.bytes_per_rank.items():
-        lines.append(f"  {key:<16}{_gib(value):>14}")
+        notes = []
+        if plan.params_experts and value:
+            experts = plan.expert_bytes.get(key, 0)
+            notes.append(f"experts {_gib(experts)}, dense {_gib(value - experts)}")
+        if key in plan.offloaded:
+            notes.append(f"in host memory on GPUs: {plan.offloaded[key]}")
+        lines.append(f"  {key:<16}{_gib(value):>14}" + (f"  ({'; '.join(notes)})" if notes else ""))
     training = sum(plan.bytes_per_rank[k] for k in ("params", "grads", "optimizer"))
     lines.append(f"  {'trainer total':<16}{_gib(training):>14}  (params + grads + optimizer)")
     if plan.peak:
         lines += ["", "peak memory per rank (the sampling rank, during the training step):"]
         for key, value in plan.peak.items():
-            phase = " (the pass)" if key in PASS_PARTS else " (the optimizer step)" if key in STEP_PARTS else ""
+            phase = (" (the pass)" if key in PASS_PARTS else " (the optimizer step)" if key in STEP_PARTS
+                     else " (the weight sync)" if key in SYNC_PARTS else "")
             lines.append(f"  {key:<18}{_gib(value):>12}{phase}")
-        lines.append(f"  {'total':<18}{_gib(peak_total(plan.peak)):>12}  (held throughout, plus the larger of the "
-                     "pass's and the optimizer step's)")
+        phases = ("the largest of the pass's, the optimizer step's and the weight sync's"
+                  if any(k in plan.peak for k in SYNC_PARTS) else "the larger of the pass's and the optimizer step's")
+        lines.append(f"  {'total':<18}{_gib(peak_total(plan.peak)):>12}  (held throughout, plus {phases})")
     if plan.generating_ranks:
         lines.append(f"peak memory per generating rank (its server's weights and KV cache): "
                      f"{_gib(plan.generating_peak)}")

@@ -176,7 +176,7 @@ def test_the_peak_counts_the_pass_or_the_optimizer_step_whichever_is_larger(tiny
 
     def phases(p):
         held = sum(v for k, v in p.peak.items() if k not in PASS_PARTS + STEP_PARTS)
-        return held, sum(p.peak[k] for k in PASS_PARTS), sum(p.peak[k] for k in STEP_PARTS)
+        return held, sum(p.peak.get(k, 0) for k in PASS_PARTS), sum(p.peak.get(k, 0) for k in STEP_PARTS)
 
     short, middle, long = plan(128), plan(512), plan(8192)
     held, pass_bytes, step_bytes = phases(short)
@@ -187,3 +187,104 @@ def test_the_peak_counts_the_pass_or_the_optimizer_step_whichever_is_larger(tiny
     assert peak_total(long.peak) == held + pass_long < sum(long.peak.values())
     total = re.search(r"\n  total +([\d.]+) GiB", format_plan(long)).group(1)
     assert float(total) == pytest.approx(peak_total(long.peak) / 2**30, abs=1e-3)
+
+
+def _moe_plan(tiny, tmp_path, model, world, *overrides):
+    from megagrpo.planning import make_plan
+    return make_plan(load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + [
+        f"model.name_or_path={model}", "model.dtype=bfloat16", "grpo.kl_coef=0.02", *overrides]), world)
+
+
+def test_the_plan_splits_a_mixture_of_experts_per_rank(tiny, tmp_path, monkeypatch):
+    """The tiny Qwen3-MoE by hand (tools/make_tiny_model.py --arch qwen3_moe --config-only: 2
+    layers of 8 experts of width 128, top 2, hidden 128, vocabulary 512, a tied head), on 4
+    ranks in bf16 (2 + 2 + 12 bytes). AutoEP (ep e) leaves E/e experts per layer on a rank, and
+    ZeRO partitions them over the dp/e ranks holding the same ones: under ZeRO-3 a rank's
+    bytes are the same for any e, under ZeRO-1 its weights and gradients shrink by e and its
+    optimizer state does not. The reference and vLLM hold every expert (built without AutoEP)."""
+    from megagrpo.planning import activation_bytes_per_token, format_plan, microbatch_tokens, model_config
+    model = tmp_path / "qwen3_moe"
+    run([PYTHON, "tools/make_tiny_model.py", "--arch", "qwen3_moe", "--config-only", "--out", str(model)])
+    experts = 2 * 8 * (2 * 128 * 128 + 128 * 128)  # gate_up [8, 256, 128] and down [8, 128, 128] per layer
+    # the embedding (the head tied to it), per layer q/k/v/o, q and k norms, the router [8, 128]
+    # and two norms, the final norm
+    dense = 512 * 128 + 2 * (4 * 128 * 128 + 2 * 64 + 8 * 128 + 2 * 128) + 128
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cases = {  # (ZeRO stage, e) -> (params, grads, optimizer), each (all, experts') bytes per rank
+        (1, 1): ((dense + experts) * 2, experts * 2), (1, 2): ((dense + experts // 2) * 2, experts // 2 * 2),
+        (1, 4): ((dense + experts // 4) * 2, experts // 4 * 2),
+        (3, 1): ((dense + experts) * 2 // 4, experts * 2 // 4), (3, 2): ((dense + experts) * 2 // 4, experts * 2 // 4),
+        (3, 4): ((dense + experts) * 2 // 4, experts * 2 // 4)}
+    for (stage, ep), weights in cases.items():
+        plan = _moe_plan(tiny, tmp_path, model, 4, f"deepspeed=configs/ds_zero{stage}.json",
+                         f"parallel.expert_parallel_size={ep}")
+        assert (plan.ep, plan.params_total, plan.params_experts) == (ep, dense + experts, experts)
+        assert plan.params_trained == dense + experts // ep  # this rank's, before ZeRO
+        got = {k: (plan.bytes_per_rank[k], plan.expert_bytes[k]) for k in plan.bytes_per_rank}
+        assert got["params"] == weights and got["grads"] == weights, (stage, ep, got)
+        # Adam over the dp/e ranks holding the same experts: 1/4 of every expert either way
+        assert got["optimizer"] == (dense * 12 // 4 + experts * 12 // 4, experts * 12 // 4), (stage, ep)
+        whole = ((dense + experts) * 2, experts * 2)
+        assert got["reference"] == (whole if stage == 1 else (whole[0] // 4, whole[1] // 4)), (stage, ep)
+        assert got["rollout_weights"] == whole  # vLLM at tp 1: the whole model
+        if stage == 3:  # ZeRO-3 gathers this rank's share: its own experts only
+            assert plan.peak["gathered_params"] == (dense + experts // ep) * 2
+    # e 2 on ZeRO-3: the pass adds AutoEP's exchange (tokens x top 2 x 128, sent and received,
+    # dispatch and combine), the weight sync one layer's 8 experts gathered (4/3 of them)
+    tokens = microbatch_tokens(load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path)))
+    plan = _moe_plan(tiny, tmp_path, model, 4, "parallel.expert_parallel_size=2")  # ZeRO-3
+    assert plan.peak["expert_parallel"] == 4 * tokens * 2 * 128 * 2
+    assert plan.peak["expert_gather"] == 4 * (experts // 2) * 2 // 3
+    assert "expert_parallel" not in _moe_plan(tiny, tmp_path, model, 4).peak  # ep 1: no exchange
+    text = format_plan(plan)
+    assert "world 4 = dp 4 (ep 2: each layer's experts split over 2 of them) x tp 1 x pp 1" in text
+    assert ("experts: 0.79M parameters in 2 MoE layers of 8 experts (top 2), 4 per rank (ep 2); dense "
+            "(attention, routers, embeddings, norms): 0.20M") in text
+    assert "  params                0.47 MiB  (experts 0.38 MiB, dense 0.10 MiB)" in text
+    assert "expert_gather" in text and "(the weight sync)" in text
+    # activations per token, one MoE layer: 14 h + 2 x (2 h + 6 x 128) values in bf16, the norms'
+    # float32 inputs (4 h bytes), the router's 8 float32 probabilities and 64 bytes per routed copy
+    layer = 2 * (14 * 128 + 2 * (2 * 128 + 6 * 128)) + 4 * 128 + 4 * 8 + 64 * 2
+    config = model_config(str(model))
+    assert activation_bytes_per_token(config, 2, "bfloat16", checkpointing=False) == 2 * layer
+    assert activation_bytes_per_token(config, 2, "bfloat16", checkpointing=True) == 2 * 2 * 128 + layer
+
+
+MOE_SHAPES = {  # the published config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B
+    "configs/qwen3_30b_a3b_1x8.yaml": (8, dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                               num_attention_heads=32, num_hidden_layers=48)),
+    "configs/qwen3_235b_a22b_4x8.yaml": (32, dict(hidden_size=4096, intermediate_size=12288,
+                                                  moe_intermediate_size=1536, num_attention_heads=64,
+                                                  num_hidden_layers=94))}
+
+
+def test_the_shipped_moe_configs_fit_80_gib_gpus_as_their_headers_say(tiny, tmp_path, monkeypatch):
+    """Qwen3-30B-A3B on 1 x 8 and Qwen3-235B-A22B on 4 x 8 as shipped, their architecture from a
+    local config.json (nothing downloaded), planned as on 80 GiB GPUs: the header's parameters,
+    trainer weights per GPU and planned peak are the plan's, and the peak is under the 90% that
+    `megagrpo plan --check-memory` allows. The optimizer state is offloaded to host memory."""
+    from transformers import Qwen3MoeConfig
+
+    import megagrpo.planning as planning
+    gpu = 80 * 2**30
+    monkeypatch.setattr(planning, "_device", lambda: "cuda")
+    monkeypatch.setattr(planning, "engine_bytes", lambda cfg, weights: int(cfg.rollout.gpu_memory_utilization * gpu))
+    data = [f"data.train_file={tiny['data']}/train.jsonl", f"data.eval_file={tiny['data']}/eval.jsonl"]
+    for config, (world, shape) in MOE_SHAPES.items():
+        model = tmp_path / config.split("/")[1].removesuffix(".yaml")
+        Qwen3MoeConfig(**shape, num_experts=128, num_experts_per_tok=8, num_key_value_heads=4, head_dim=128,
+                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, vocab_size=151936,
+                       tie_word_embeddings=False).save_pretrained(model)
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        cfg = load_config(config, data)  # as shipped: a hub name
+        assert cfg.model.name_or_path.startswith("Qwen/Qwen3-") and cfg.parallel.expert_parallel_size == 8
+        plan = planning.make_plan(load_config(config, data + [f"model.name_or_path={model}"]), world)
+        header = open(config).read().split("\nmodel:")[0]
+        assert (plan.dp, plan.ep, plan.zero_stage, list(plan.offloaded)) == (world, 8, 3, ["optimizer"])
+        assert f"{plan.params_total / 1e9:.1f}B parameters, {plan.params_experts / 1e9:.1f}B of them experts" in header
+        gib = {k: f"{v / 2**30:.1f}" for k, v in plan.bytes_per_rank.items()}
+        assert f"weights {gib['params']} + gradients {gib['grads']}" in header
+        assert f"Adam moments ({gib['optimizer']} GiB per rank" in header
+        peak = planning.peak_total(plan.peak)
+        assert f"Planned peak (megagrpo plan, 80 GiB GPU): {peak / 2**30:.1f} GiB per GPU" in header
+        assert peak <= 0.9 * gpu and plan.peak["optimizer_step"] == 0 and plan.peak["reference"] == 0

@@ -237,20 +237,28 @@ def to_universal(path: str, is_main: bool, autoep_preset: Optional[str] = None) 
     saved = _autoep_of(path)
     rename = None if (saved is None) == (autoep_preset is None) else ("hf" if saved else "autoep")
     out = f"{path}.universal" + (f"-{rename}" if rename else "")
+    error = None
     if is_main and not os.path.isdir(out):
-        tmp = f"{out}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                               "--input_folder", path, "--output_folder", tmp],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"ds_to_universal failed on '{path}':\n{proc.stderr[-3000:]}")
-        if rename == "hf":
-            _experts_to_hf(os.path.join(tmp, "zero"), *saved)
-        elif rename == "autoep":
-            _experts_to_autoep(os.path.join(tmp, "zero"), autoep_preset)
-        os.rename(tmp, out)
-    _barrier()
+        try:
+            tmp = f"{out}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                                   "--input_folder", path, "--output_folder", tmp],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"ds_to_universal failed on '{path}':\n{proc.stderr[-3000:]}")
+            if rename == "hf":
+                _experts_to_hf(os.path.join(tmp, "zero"), *saved)
+            elif rename == "autoep":
+                _experts_to_autoep(os.path.join(tmp, "zero"), autoep_preset)
+            os.rename(tmp, out)
+        except Exception as e:  # noqa: BLE001 - raised below, after the other ranks passed the barrier
+            error = e
+    _barrier()  # the other ranks wait here for the main rank's conversion, failed or not
+    if error is not None:
+        raise error
+    if not os.path.isdir(out):
+        raise RuntimeError(f"'{out}' was not made: its conversion failed on the main rank")
     return out
 
 
@@ -290,6 +298,7 @@ def _experts_to_hf(zero: str, layers: list, preset_name: str) -> None:
     from types import SimpleNamespace
 
     from deepspeed.checkpoint.constants import PARAM
+
     from megagrpo.policy.expert_parallel import _hf_name
 
     preset, stub = _preset(preset_name), SimpleNamespace(model_family=preset_name)
@@ -323,7 +332,12 @@ def _experts_to_autoep(zero: str, preset_name: str) -> None:
     are sliced out at load); L.gate.* -> L.router.gate.*; shared experts renamed back."""
     from deepspeed.checkpoint.constants import CAT_DIM, EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
 
+    from megagrpo.checkpoints.convert import _files, _load
+
     preset = _preset(preset_name)
+    _, model_files, _ = _files(os.path.dirname(zero))  # ZeRO-3 keeps a parameter flat there: its shape
+    shapes = {name: tuple(shape) for group in _load(model_files[0], mmap=True)["param_shapes"]
+              for name, shape in group.items()}
     gate_up = f".{preset.experts_pattern}.{preset.expert_w1}"
     back = {preset.router_pattern: "router.gate", preset.shared_experts_pattern: "shared_experts",
             preset.shared_experts_gate_pattern: "shared_experts_gate"}
@@ -333,10 +347,8 @@ def _experts_to_autoep(zero: str, preset_name: str) -> None:
         for w in ("w1", "w2", "w3"):
             os.makedirs(os.path.join(zero, f"{layer}.experts.{w}"))
         for key in _state_files(source[preset.expert_w1]):
-            fused = torch.load(os.path.join(source[preset.expert_w1], key), weights_only=False)
-            down = torch.load(os.path.join(source[preset.expert_w2], key), weights_only=False)
-            if not torch.is_tensor(fused) or fused.dim() != 3:
-                raise RuntimeError(f"{source[preset.expert_w1]}/{key}: not an [E, 2I, H] tensor")
+            fused, down = (torch.load(os.path.join(source[w], key), weights_only=False).view(
+                shapes[os.path.basename(source[w])]) for w in (preset.expert_w1, preset.expert_w2))
             half = fused.shape[1] // 2
             for w, tensor in (("w1", fused[:, :half]), ("w3", fused[:, half:]), ("w2", down)):
                 torch.save({PARAM: tensor.contiguous(), CAT_DIM: 0, EP_IS_EXPERT_PARAM: True,
@@ -402,6 +414,7 @@ def load(engine, path: str, rank: int, reshard: bool = False, is_main: bool = Fa
                                                   load_module_strict=strict)
         finally:
             engine._config.load_universal_checkpoint = False
+        _unshare_adam_steps(engine)
     else:
         load_path, _ = engine.load_checkpoint(os.path.dirname(path), tag=os.path.basename(path),
                                               load_module_strict=strict)
@@ -412,6 +425,23 @@ def load(engine, path: str, rank: int, reshard: bool = False, is_main: bool = Fa
         with open(rng_file) as f:
             set_rng_state(json.load(f))
     return read_trainer_state(path)
+
+
+def _unshare_adam_steps(engine) -> None:
+    """DeepSpeed 0.19.8's ZeRO-3 universal load (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3)
+    gives every parameter sub-group the same `step` tensor, which torch's Adam then increments in
+    place once per sub-group: with several sub-groups (AutoEP's experts and routers are groups of
+    their own; a large model's sub_group_size splits too) the step count, so Adam's bias
+    correction, runs ahead after the first step (2 sub-groups too many -> step 5 for 3). Each
+    sub-group gets its own copy."""
+    zero = engine.optimizer
+    optimizer, flats = getattr(zero, "optimizer", None), getattr(zero, "fp32_partitioned_groups_flat", None)
+    if optimizer is None or not flats:
+        return
+    for flat in flats:
+        state = optimizer.state.get(flat)
+        if state and torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 def resume(policy, root: str, setting: str, this_run: TrainerState, topo: Topology,

@@ -259,6 +259,7 @@ def _autoep_tensors(ckpt, info, model_files, optim_files):
     from types import SimpleNamespace
 
     from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
     from megagrpo.policy.expert_parallel import _hf_name
 
     if info["model_parallel_files"] > 1:

@@ -53,6 +53,11 @@ class DeepSpeedSettings:
         ds["bf16"] = {"enabled": cfg.model.dtype == "bfloat16"}
         ds.pop("fp16", None)
         ds.setdefault("zero_optimization", {"stage": 0})
+        if cfg.parallel.expert_parallel_size > 1:
+            # AutoEP replaces the experts inside deepspeed.initialize, after a client optimizer
+            # would have taken the old ones (ZeRO 1-2 then find no expert group): DeepSpeed builds
+            # torch's AdamW itself, on the new parameters
+            ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
         if "optimizer" in ds:
             ds["optimizer"].setdefault("params", {}).update(
                 lr=g.learning_rate, betas=[g.adam_beta1, g.adam_beta2], weight_decay=g.weight_decay)
