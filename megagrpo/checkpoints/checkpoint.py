@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.checkpoints import rollouts_ahead as ahead_file
+from megagrpo.checkpoints.autoep import _autoep_of, _experts_to_autoep, _experts_to_hf
 from megagrpo.cluster.distributed import all_reduce
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import ConfigError
@@ -262,105 +263,6 @@ def to_universal(path: str, is_main: bool, autoep_preset: Optional[str] = None) 
     return out
 
 
-def _autoep_of(path: str) -> Optional[tuple[list, str]]:
-    """(AutoEP layers, preset) a checkpoint was saved with (its model-states file's
-    ds_autoep_layers and DeepSpeed config), or None: saved without AutoEP."""
-    from megagrpo.checkpoints.convert import _autoep_layers, _files, _load
-
-    _, model_files, _ = _files(path)
-    state = _load(model_files[0], mmap=True)
-    layers = _autoep_layers(state)
-    if layers is None:
-        return None
-    return layers, (state.get("ds_config") or {}).get("expert_parallel", {}).get("preset_model")
-
-
-def _preset(name: str):
-    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
-
-    preset = PRESET_MODELS.get(name)
-    if preset is None or preset.expert_storage != "fused_3d" or preset.expert_w3 is not None:
-        raise ValueError(f"AutoEP preset '{name}': its experts are not fused 3-D gate_up/down tensors; "
-                         "they are not renamed between AutoEP and transformers' names")
-    return preset
-
-
-def _state_files(folder: str) -> list[str]:
-    return sorted(f for f in os.listdir(folder) if f.endswith(".pt"))
-
-
-def _experts_to_hf(zero: str, layers: list, preset_name: str) -> None:
-    """A universal checkpoint's zero/ folder, saved with AutoEP, under transformers' names (as
-    policy/expert_parallel.py names the live model's): per MoE layer L and state (fp32, exp_avg,
-    exp_avg_sq), L.experts.gate_up_proj = cat(experts.w1, experts.w3, dim=1) and
-    L.experts.down_proj = experts.w2 (whole: [E, ...]), L.router.gate.* -> L.gate.*, shared experts
-    as the preset names them."""
-    from types import SimpleNamespace
-
-    from deepspeed.checkpoint.constants import PARAM
-
-    from megagrpo.policy.expert_parallel import _hf_name
-
-    preset, stub = _preset(preset_name), SimpleNamespace(model_family=preset_name)
-    for entry in layers:
-        layer, experts = entry["module_path"], entry["expert_key_prefix"]
-        hf = f"{layer}.{preset.experts_pattern}"
-        w1, w2, w3 = (os.path.join(zero, f"{experts}.{w}") for w in ("w1", "w2", "w3"))
-        keys = _state_files(w1)
-        if keys != _state_files(w3) or keys != _state_files(w2):
-            raise RuntimeError(f"{zero}: {experts}.w1/w2/w3 hold different states")
-        for target, parts in ((f"{hf}.{preset.expert_w1}", (w1, w3)), (f"{hf}.{preset.expert_w2}", (w2,))):
-            os.makedirs(os.path.join(zero, target))
-            for key in keys:
-                loaded = [torch.load(os.path.join(part, key), weights_only=False) for part in parts]
-                tensors = [t[PARAM] if isinstance(t, dict) else t for t in loaded]
-                torch.save(torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0],
-                           os.path.join(zero, target, key))
-        for part in (w1, w2, w3):
-            shutil.rmtree(part)
-        for name in os.listdir(zero):
-            if name.startswith(f"{layer}.") and not name.startswith(f"{hf}."):
-                renamed = f"{layer}.{_hf_name(name[len(layer) + 1:], stub)}"
-                if renamed != name:
-                    os.rename(os.path.join(zero, name), os.path.join(zero, renamed))
-
-
-def _experts_to_autoep(zero: str, preset_name: str) -> None:
-    """The inverse of _experts_to_hf, for a checkpoint saved without AutoEP loaded by a model with
-    it: L.experts.gate_up_proj [E, 2I, H] split into experts.w1 and w3, down_proj as w2, each
-    marked as DeepSpeed's universal expert tensors are (whole, [E, ...]: each ep rank's experts
-    are sliced out at load); L.gate.* -> L.router.gate.*; shared experts renamed back."""
-    from deepspeed.checkpoint.constants import CAT_DIM, EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
-
-    from megagrpo.checkpoints.convert import _files, _load
-
-    preset = _preset(preset_name)
-    _, model_files, _ = _files(os.path.dirname(zero))  # ZeRO-3 keeps a parameter flat there: its shape
-    shapes = {name: tuple(shape) for group in _load(model_files[0], mmap=True)["param_shapes"]
-              for name, shape in group.items()}
-    gate_up = f".{preset.experts_pattern}.{preset.expert_w1}"
-    back = {preset.router_pattern: "router.gate", preset.shared_experts_pattern: "shared_experts",
-            preset.shared_experts_gate_pattern: "shared_experts_gate"}
-    for layer in [n[:-len(gate_up)] for n in os.listdir(zero) if n.endswith(gate_up)]:
-        source = {w: os.path.join(zero, f"{layer}.{preset.experts_pattern}.{w}")
-                  for w in (preset.expert_w1, preset.expert_w2)}
-        for w in ("w1", "w2", "w3"):
-            os.makedirs(os.path.join(zero, f"{layer}.experts.{w}"))
-        for key in _state_files(source[preset.expert_w1]):
-            fused, down = (torch.load(os.path.join(source[w], key), weights_only=False).view(
-                shapes[os.path.basename(source[w])]) for w in (preset.expert_w1, preset.expert_w2))
-            half = fused.shape[1] // 2
-            for w, tensor in (("w1", fused[:, :half]), ("w3", fused[:, half:]), ("w2", down)):
-                torch.save({PARAM: tensor.contiguous(), CAT_DIM: 0, EP_IS_EXPERT_PARAM: True,
-                            EP_NUM_EXPERTS: tensor.shape[0]}, os.path.join(zero, f"{layer}.experts.{w}", key))
-        for folder in source.values():
-            shutil.rmtree(folder)
-        for name in os.listdir(zero):
-            head, _, rest = name[len(layer) + 1:].partition(".") if name.startswith(f"{layer}.") else ("", "", "")
-            if head in back and head:
-                os.rename(os.path.join(zero, name), os.path.join(zero, f"{layer}.{back[head]}.{rest}"))
-
-
 def needs_reshard(state: dict, dp: int, tp: int, pp: int, prompts_per_step: int, zero: int, sp: int = 1,
                   ep: int = 1) -> bool:
     """Whether a checkpoint with trainer state `state` must be re-sharded to continue on this
@@ -415,6 +317,7 @@ def load(engine, path: str, rank: int, reshard: bool = False, is_main: bool = Fa
         finally:
             engine._config.load_universal_checkpoint = False
         _unshare_adam_steps(engine)
+        _fit_schedule_to_groups(engine)
     else:
         load_path, _ = engine.load_checkpoint(os.path.dirname(path), tag=os.path.basename(path),
                                               load_module_strict=strict)
@@ -425,6 +328,24 @@ def load(engine, path: str, rank: int, reshard: bool = False, is_main: bool = Fa
         with open(rng_file) as f:
             set_rng_state(json.load(f))
     return read_trainer_state(path)
+
+
+def _fit_schedule_to_groups(engine) -> None:
+    """The learning-rate schedule's per-group lists (base_lrs, _last_lr) fitted to this
+    optimizer's parameter groups: DeepSpeed builds the optimizer itself under AutoEP, with
+    groups of its own for the experts (3 where a run without AutoEP has 1), so a checkpoint
+    re-sharded across expert_parallel_size brings lists of another length. Every group follows
+    the one schedule (policy/models.py), so the first entry stands for all."""
+    schedule, optimizer = engine.lr_scheduler, getattr(engine, "optimizer", None)
+    groups = getattr(optimizer, "param_groups", None)
+    if schedule is None or not groups:
+        return
+    for key in ("base_lrs", "_last_lr"):
+        values = getattr(schedule, key, None)
+        if isinstance(values, list) and values and len(values) != len(groups):
+            setattr(schedule, key, [values[0]] * len(groups))
+    for group, lr in zip(groups, schedule._last_lr if hasattr(schedule, "_last_lr") else []):
+        group["lr"] = lr
 
 
 def _unshare_adam_steps(engine) -> None:

@@ -43,7 +43,6 @@ Nothing else in a checkpoint can run code while loading.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
@@ -54,7 +53,15 @@ from typing import Iterator
 
 import torch
 
+from megagrpo.checkpoints.autoep import _autoep_tensors
 from megagrpo.checkpoints.checkpoint import ADAPTER_CONFIG, MARKER
+from megagrpo.checkpoints.deepspeed_files import (  # noqa: F401 (ConvertError: raised to callers)
+    ConvertError,
+    _autoep_layers,
+    _files,
+    _load,
+    _zero3_frozen_tensors,
+)
 from megagrpo.checkpoints.safetensors_writer import write_safetensors
 from megagrpo.config.schema import ConfigError
 from megagrpo.dtypes import DTYPES
@@ -66,34 +73,6 @@ from megagrpo.process_exit import exit_without_teardown
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
                  "tokenizer.model", "added_tokens.json", *PROCESSOR_FILES)
-
-
-class ConvertError(ValueError):
-    pass
-
-
-def _load(path: str, mmap: bool = False):
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-    with torch.serialization.safe_globals([ZeroStageEnum, LossScaler, fragment_address]):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-
-
-def _files(ckpt: str):
-    """Pipeline layer files, model-states files (one per model-parallel rank, under ZeRO-3 one per
-    rank), ZeRO optimizer files in rank order. AutoEP's per-expert files (layer_L_expert_E_...) and
-    its ZeRO-0 optimizer files (expp_rank_R_...) are left out: the AutoEP readers find their own."""
-    layer_files = sorted(glob.glob(os.path.join(ckpt, "layer_*-model_states.pt")))
-    model_files = sorted(f for f in glob.glob(os.path.join(ckpt, "*model_states.pt"))
-                         if f not in layer_files and not EXPERT_FILE.match(os.path.basename(f)))
-    optim_files = sorted((f for f in glob.glob(os.path.join(ckpt, "*optim_states.pt"))
-                          if not os.path.basename(f).startswith("expp_rank_")),
-                         key=lambda f: [int(n) for n in re.findall(r"\d+", os.path.basename(f))])
-    return layer_files, model_files, optim_files
-
-
-EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
 
 def layout(ckpt: str) -> dict:
@@ -113,13 +92,6 @@ def layout(ckpt: str) -> dict:
             "dp_partitions": len(optim_files) // max(1, len(mp_ranks)), "model_parallel_files": len(mp_ranks),
             "layer_files": len(layer_files), "trainer_state": trainer,
             "ep": autoep[0]["ep_size"] if autoep else 1}
-
-
-def _autoep_layers(model_state: dict):
-    """The AutoEP layers a model-states file records (DeepSpeed's ds_autoep_layers: per MoE layer
-    its module path, expert count, ep size, this rank's ep rank, the expert placement), or None."""
-    layers = model_state.get("ds_autoep_layers") or model_state.get("autoep_layers")
-    return layers if isinstance(layers, list) and layers else None
 
 
 def hf_tensors(ckpt: str, model: str = None, info: dict = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -241,156 +213,6 @@ def _zero3_tensors(model_file, optim_files, window_mb: int = 16):
                                f"{flat_groups[0][index].numel()} elements per rank, its parameters "
                                f"{offset}; not a ZeRO-3 layout this reader knows")
     yield from _zero3_frozen_tensors(optim_files)
-
-
-def _zero3_frozen_tensors(optim_files):
-    """ZeRO-3's frozen parameters (a VLM's frozen vision tower) have no optimizer state: each
-    rank's model-states file holds its fragment (ceil(n / world) elements, in rank order), beside
-    the full shapes."""
-    states = [_load(f.replace("_optim_states.pt", "_model_states.pt")) for f in optim_files]
-    for name, shape in (states[0].get("frozen_param_shapes") or {}).items():
-        numel = math.prod(shape)
-        yield name, torch.cat([state["frozen_param_fragments"][name] for state in states])[:numel].view(shape)
-
-
-def _autoep_tensors(ckpt, info, model_files, optim_files):
-    """AutoEP: the experts of each MoE layer joined from the ep ranks' shards, all tensors under
-    the names the model has without AutoEP (the live export's, policy/expert_parallel.py)."""
-    from types import SimpleNamespace
-
-    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
-
-    from megagrpo.policy.expert_parallel import _hf_name
-
-    if info["model_parallel_files"] > 1:
-        raise ConvertError(f"{ckpt}: AutoEP with {info['model_parallel_files']} model-parallel ranks (AutoEP + AutoTP "
-                           "folding) is not read offline")
-    first = _load(model_files[0], mmap=True)
-    layers = _autoep_layers(first)
-    family = (first.get("ds_config") or {}).get("expert_parallel", {}).get("preset_model")
-    preset = PRESET_MODELS.get(family)
-    if preset is None or preset.expert_storage != "fused_3d" or preset.expert_w3 is not None:
-        raise ConvertError(f"{ckpt}: AutoEP preset '{family}' is not one whose experts this reader joins "
-                           "(fused 3-D gate_up/down tensors: qwen3_moe, mixtral)")
-    if info["zero_stage"] == 3:
-        tensors = _autoep_zero3_tensors(model_files, optim_files)
-    else:
-        tensors = _autoep_expert_file_tensors(ckpt, model_files[0], layers)
-    paths, stub, fused = [entry["module_path"] for entry in layers], SimpleNamespace(model_family=family), {}
-    experts = f"{preset.experts_pattern}."
-    for name, tensor in tensors:
-        path = next((p for p in paths if name.startswith(p + ".")), None)
-        if path is None:
-            yield name, tensor
-            continue
-        relative = name[len(path) + 1:]
-        if relative in ("experts.w1", "experts.w3"):  # gate_up_proj [E, 2I, H] = cat(w1, w3, dim=1)
-            fused.setdefault(path, {})[relative[-2:]] = tensor
-            if len(fused[path]) == 2:
-                parts = fused.pop(path)
-                yield f"{path}.{experts}{preset.expert_w1}", torch.cat([parts["w1"], parts["w3"]], dim=1)
-        elif relative == "experts.w2":
-            yield f"{path}.{experts}{preset.expert_w2}", tensor
-        elif relative.partition(".")[0] == preset.router_pattern != "router":
-            continue  # the layer's alias of its router (ZeRO 0-2 state dicts hold both names)
-        else:
-            yield f"{path}.{_hf_name(relative, stub)}", tensor
-    if fused:
-        raise ConvertError(f"{ckpt}: AutoEP layers {sorted(fused)} lack experts.w1 or experts.w3")
-
-
-def _autoep_join(name, shards, entry, logical_shape):
-    """{ep rank: [E/ep, ...]} -> [E, ...], each expert where the layer's placement puts it
-    (DeepSpeed's affine map of the placement, as its universal conversion joins them)."""
-    from deepspeed.checkpoint.autoep_affine import autoep_metadata_to_affine_map
-
-    expert_map = autoep_metadata_to_affine_map(entry, logical_shape, name)
-    missing = {r for r, shape in expert_map.shard_shapes.items() if math.prod(shape) and r not in shards}
-    if missing:
-        raise ConvertError(f"{name}: no shard of ep ranks {sorted(missing)}")
-    return expert_map.rebuild(shards)
-
-
-def _autoep_zero3_tensors(model_files, optim_files, window_mb: int = 16):
-    """ZeRO-3 under AutoEP: as _zero3_tensors, but each parameter group is partitioned over its own
-    ranks (ds_zero_partition_groups: partition_count, this rank's partition_rank). The experts'
-    group holds, on each rank, slices of its ep rank's experts (E/ep of them) partitioned over the
-    ranks with that ep rank: a parameter's slices are joined per ep rank, then the ep ranks' along
-    the expert dimension. Files memory-mapped and re-mapped every `window_mb`, as there."""
-    import gc
-
-    optim_files = sorted(optim_files, key=lambda f: int(re.search(r"zero_pp_rank_(\d+)", os.path.basename(f)).group(1)))
-    states = [_load(f.replace("_optim_states.pt", "_model_states.pt")) for f in optim_files]
-    shapes = [state["param_shapes"] for state in states]
-    experts = [{f"{e['expert_key_prefix']}.{w}": e for e in _autoep_layers(state) or [] for w in ("w1", "w2", "w3")}
-               for state in states]
-
-    def open_optim():
-        return [_load(f, mmap=True)["optimizer_state_dict"] for f in optim_files]
-    optim, read = open_optim(), 0
-    partitions = [o.get("ds_zero_partition_groups") or [] for o in optim]
-    for index, group in enumerate(shapes[0]):
-        if any(list(s[index]) != list(group) for s in shapes):
-            raise ConvertError(f"{optim_files[0]}: the ranks' parameter group {index} names differ; not an AutoEP "
-                               "ZeRO-3 layout this reader knows")
-        where = [(p[index]["partition_count"], p[index]["partition_rank"]) if index < len(p) else (len(optim_files), r)
-                 for r, p in enumerate(partitions)]
-        offsets = [0] * len(optim_files)
-        for name in group:
-            pieces = {}  # ep rank (None: not an expert) -> {partition rank: (rank, offset, part)}
-            for rank, (count, partition) in enumerate(where):
-                part = math.ceil(math.prod(shapes[rank][index][name]) / count)
-                entry = experts[rank].get(name)
-                pieces.setdefault(entry and entry["ep_rank"], {}).setdefault(partition, (rank, offsets[rank], part))
-                offsets[rank] += part
-            local = {}
-            for ep_rank, by_partition in pieces.items():
-                rank = next(iter(by_partition.values()))[0]
-                count = where[rank][0]
-                if sorted(by_partition) != list(range(count)):
-                    raise ConvertError(f"{optim_files[0]}: '{name}' has partitions {sorted(by_partition)} of "
-                                       f"{count} (ep rank {ep_rank}); incomplete checkpoint?")
-                shape = shapes[rank][index][name]
-                flat = torch.cat([optim[r]["fp32_flat_groups"][index][o:o + n]
-                                  for r, o, n in (by_partition[p] for p in range(count))])
-                local[ep_rank] = flat[:math.prod(shape)].view(shape)
-                read += flat.numel() * flat.element_size()
-            if None in local:
-                yield name, local[None]
-            else:
-                entry = experts[0][name]
-                yield name, _autoep_join(name, local, entry, (entry["num_experts"], *shapes[0][index][name][1:]))
-            del local
-            if read >= window_mb * 2**20:
-                optim = None
-                gc.collect()  # unmaps the files
-                optim, read = open_optim(), 0
-        for rank, offset in enumerate(offsets):
-            if offset != optim[rank]["fp32_flat_groups"][index].numel():
-                raise ConvertError(f"{optim_files[rank]}: parameter group {index} holds "
-                                   f"{optim[rank]['fp32_flat_groups'][index].numel()} elements, its parameters "
-                                   f"{offset}; not an AutoEP ZeRO-3 layout this reader knows")
-    yield from _zero3_frozen_tensors(optim_files)
-
-
-def _autoep_expert_file_tensors(ckpt, model_file, layers):
-    """ZeRO 0-2 under AutoEP: the module (all but the experts) in the model-states file, then each
-    layer's experts, one file per expert ({prefix}.w1.E, w2.E, w3.E: [I, H], [H, I], [I, H]),
-    stacked in expert order."""
-    yield from _load(model_file)["module"].items()
-    mp = re.search(r"mp_rank_(\d+)", os.path.basename(model_file)).group(1)
-    for entry in sorted(layers, key=lambda e: e["moe_layer_id"]):
-        prefix, stacked = entry["expert_key_prefix"], {"w1": [], "w2": [], "w3": []}
-        for expert in range(entry["num_experts"]):
-            path = os.path.join(ckpt, f"layer_{entry['moe_layer_id']}_expert_{expert}_mp_rank_{mp}_model_states.pt")
-            if not os.path.isfile(path):
-                raise ConvertError(f"{ckpt}: no {os.path.basename(path)} ({prefix}, expert {expert} of "
-                                   f"{entry['num_experts']}); incomplete checkpoint?")
-            state = _load(path)
-            for w, tensors in stacked.items():
-                tensors.append(state[f"{prefix}.{w}.{expert}"])
-        for w in ("w1", "w2", "w3"):
-            yield f"{prefix}.{w}", torch.stack(stacked.pop(w))
 
 
 def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: int = 2048, log=print) -> None:

@@ -10,9 +10,15 @@ taken, their weights renormalised where the architecture does) gets a forward ho
   - count: each expert's share of the real tokens per layer (the expert-load metrics), and,
     when asked, the router logits for the load-balancing loss.
 
+Under DeepSpeed's AutoEP (parallel.expert_parallel_size > 1) the routers are AutoEP's, hooked
+after deepspeed.initialize, their routes replaced through expert_parallel.replace_routes.
+
 Routing replay R2 (rollout.routing_replay=r2): the routes of the old-policy pass are
 replayed in every update pass over the same micro-batch, so a step's updates never move a
 token to other experts than those its old log-prob was computed with (docs/moe.md).
+
+Also here: the checks of MoE layouts (check_moe), and the experts' checkpoint names, which the
+weight sync and the export use (checkpoint_names).
 """
 from __future__ import annotations
 
