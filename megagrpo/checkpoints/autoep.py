@@ -220,7 +220,7 @@ def _experts_to_hf(zero: str, layers: list, preset_name: str) -> None:
         for target, parts in ((f"{hf}.{preset.expert_w1}", (w1, w3)), (f"{hf}.{preset.expert_w2}", (w2,))):
             os.makedirs(os.path.join(zero, target))
             for key in keys:
-                loaded = [torch.load(os.path.join(part, key), weights_only=False) for part in parts]
+                loaded = [torch.load(os.path.join(part, key), weights_only=True) for part in parts]
                 tensors = [t[PARAM] if isinstance(t, dict) else t for t in loaded]
                 torch.save(torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0],
                            os.path.join(zero, target, key))
@@ -253,7 +253,7 @@ def _experts_to_autoep(zero: str, preset_name: str) -> None:
         for w in ("w1", "w2", "w3"):
             os.makedirs(os.path.join(zero, f"{layer}.experts.{w}"))
         for key in _state_files(source[preset.expert_w1]):
-            fused, down = (torch.load(os.path.join(source[w], key), weights_only=False).view(
+            fused, down = (torch.load(os.path.join(source[w], key), weights_only=True).view(
                 shapes[os.path.basename(source[w])]) for w in (preset.expert_w1, preset.expert_w2))
             half = fused.shape[1] // 2
             for w, tensor in (("w1", fused[:, :half]), ("w3", fused[:, half:]), ("w2", down)):
