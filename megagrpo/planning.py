@@ -29,8 +29,9 @@ expert tensors (mlp.experts.gate_up_proj, down_proj) apart: under AutoEP
 the dp/e ranks holding the same experts, while the rest (attention, routers, embeddings)
 partitions over dp as a dense model does: the parameter and optimizer-state elements of each
 of 2 ranks equal this count (ZeRO 1 and 3, e 1 and 2, every parameter partitioned: no
-stage3_param_persistence_threshold). The reference and the vLLM engine are built without
-AutoEP: they hold every expert. What ZeRO offloads (offload_optimizer, offload_param;
+stage3_param_persistence_threshold). The reference is laid out like the policy under ZeRO-3
+(AutoEP included), else a plain module holding every expert; the vLLM engine holds every
+expert (split by its own tp). What ZeRO offloads (offload_optimizer, offload_param;
 model.ref_offload for a ZeRO-3 reference) lives in host memory: on GPUs the peak leaves it out,
 and the optimizer step, which runs there (DeepSpeed's CPU Adam), with it. The peak's parts,
 each measured: docs/parallelism.md.
@@ -199,8 +200,9 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
         "params": split(held_dense, rank_experts, weight_b, stage >= 3),
         "grads": split(trained_dense, trained_experts, grad_b, stage >= 2),
         "optimizer": split(trained_dense, trained_experts, optim_b, stage >= 1),
-        # built without AutoEP: every expert, partitioned over dp x sp under ZeRO-3
-        "reference": split(dense, experts, weight_b, stage >= 3, over=parts) if reference else (0, 0),
+        # under ZeRO-3 an engine laid out like the policy (AutoEP included); else a plain module, whole
+        "reference": ((split(dense, rank_experts, weight_b, True) if stage >= 3
+                       else split(dense, experts, weight_b, False)) if reference else (0, 0)),
         # vLLM's share: its tp group splits every layer (every expert), the embedding and the head by vocabulary
         "rollout_weights": (0, 0) if r.servers or generating else (-(-total * weight_b // generator_tp),
                                                                     experts * weight_b // generator_tp),

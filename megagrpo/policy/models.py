@@ -93,7 +93,8 @@ class DeepSpeedSettings:
         """The batch, precision and pipeline keys, for a frozen model's engine (no optimizer);
         zero3: partitioned and sharded like the policy (AutoTP kept), offload: its
         parameters on the CPU."""
-        keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "steps_per_print", "pipeline")
+        keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "steps_per_print", "pipeline",
+                "expert_parallel")
         ds = {k: self.config[k] for k in keys if k in self.config}
         if zero3:
             ds["zero_optimization"] = {"stage": 3}
