@@ -23,27 +23,27 @@ import torch
 
 from megagrpo.checkpoints.deepspeed_files import (
     ConvertError,
-    _autoep_layers,
-    _files,
-    _load,
-    _zero3_frozen_tensors,
+    autoep_layers,
+    checkpoint_files,
+    load_checkpoint_file,
+    zero3_frozen_tensors,
 )
 
 
-def _autoep_tensors(ckpt, info, model_files, optim_files):
+def autoep_tensors(ckpt, info, model_files, optim_files):
     """AutoEP: the experts of each MoE layer joined from the ep ranks' shards, all tensors under
     the names the model has without AutoEP (the live export's, policy/expert_parallel.py)."""
     from types import SimpleNamespace
 
     from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
 
-    from megagrpo.policy.expert_parallel import _hf_name
+    from megagrpo.policy.expert_parallel import hf_name
 
     if info["model_parallel_files"] > 1:
         raise ConvertError(f"{ckpt}: AutoEP with {info['model_parallel_files']} model-parallel ranks (AutoEP + AutoTP "
                            "folding) is not read offline")
-    first = _load(model_files[0], mmap=True)
-    layers = _autoep_layers(first)
+    first = load_checkpoint_file(model_files[0], mmap=True)
+    layers = autoep_layers(first)
     family = (first.get("ds_config") or {}).get("expert_parallel", {}).get("preset_model")
     preset = PRESET_MODELS.get(family)
     if preset is None or preset.expert_storage != "fused_3d" or preset.expert_w3 is not None:
@@ -71,7 +71,7 @@ def _autoep_tensors(ckpt, info, model_files, optim_files):
         elif relative.partition(".")[0] == preset.router_pattern != "router":
             continue  # the layer's alias of its router (ZeRO 0-2 state dicts hold both names)
         else:
-            yield f"{path}.{_hf_name(relative, stub)}", tensor
+            yield f"{path}.{hf_name(relative, stub)}", tensor
     if fused:
         raise ConvertError(f"{ckpt}: AutoEP layers {sorted(fused)} lack experts.w1 or experts.w3")
 
@@ -97,13 +97,13 @@ def _autoep_zero3_tensors(model_files, optim_files, window_mb: int = 16):
     import gc
 
     optim_files = sorted(optim_files, key=lambda f: int(re.search(r"zero_pp_rank_(\d+)", os.path.basename(f)).group(1)))
-    states = [_load(f.replace("_optim_states.pt", "_model_states.pt")) for f in optim_files]
+    states = [load_checkpoint_file(f.replace("_optim_states.pt", "_model_states.pt")) for f in optim_files]
     shapes = [state["param_shapes"] for state in states]
-    experts = [{f"{e['expert_key_prefix']}.{w}": e for e in _autoep_layers(state) or [] for w in ("w1", "w2", "w3")}
+    experts = [{f"{e['expert_key_prefix']}.{w}": e for e in autoep_layers(state) or [] for w in ("w1", "w2", "w3")}
                for state in states]
 
     def open_optim():
-        return [_load(f, mmap=True)["optimizer_state_dict"] for f in optim_files]
+        return [load_checkpoint_file(f, mmap=True)["optimizer_state_dict"] for f in optim_files]
     optim, read = open_optim(), 0
     partitions = [o.get("ds_zero_partition_groups") or [] for o in optim]
     for index, group in enumerate(shapes[0]):
@@ -147,14 +147,14 @@ def _autoep_zero3_tensors(model_files, optim_files, window_mb: int = 16):
                 raise ConvertError(f"{optim_files[rank]}: parameter group {index} holds "
                                    f"{optim[rank]['fp32_flat_groups'][index].numel()} elements, its parameters "
                                    f"{offset}; not an AutoEP ZeRO-3 layout this reader knows")
-    yield from _zero3_frozen_tensors(optim_files)
+    yield from zero3_frozen_tensors(optim_files)
 
 
 def _autoep_expert_file_tensors(ckpt, model_file, layers):
     """ZeRO 0-2 under AutoEP: the module (all but the experts) in the model-states file, then each
     layer's experts, one file per expert ({prefix}.w1.E, w2.E, w3.E: [I, H], [H, I], [I, H]),
     stacked in expert order."""
-    yield from _load(model_file)["module"].items()
+    yield from load_checkpoint_file(model_file)["module"].items()
     mp = re.search(r"mp_rank_(\d+)", os.path.basename(model_file)).group(1)
     for entry in sorted(layers, key=lambda e: e["moe_layer_id"]):
         prefix, stacked = entry["expert_key_prefix"], {"w1": [], "w2": [], "w3": []}
@@ -163,7 +163,7 @@ def _autoep_expert_file_tensors(ckpt, model_file, layers):
             if not os.path.isfile(path):
                 raise ConvertError(f"{ckpt}: no {os.path.basename(path)} ({prefix}, expert {expert} of "
                                    f"{entry['num_experts']}); incomplete checkpoint?")
-            state = _load(path)
+            state = load_checkpoint_file(path)
             for w, tensors in stacked.items():
                 tensors.append(state[f"{prefix}.{w}.{expert}"])
         for w in ("w1", "w2", "w3"):
@@ -172,12 +172,12 @@ def _autoep_expert_file_tensors(ckpt, model_file, layers):
 
 # ---- universal checkpoints: renamed across AutoEP and transformers --------------------------------
 
-def _autoep_of(path: str) -> Optional[tuple[list, str]]:
+def autoep_of(path: str) -> Optional[tuple[list, str]]:
     """(AutoEP layers, preset) a checkpoint was saved with (its model-states file's
     ds_autoep_layers and DeepSpeed config), or None: saved without AutoEP."""
-    _, model_files, _ = _files(path)
-    state = _load(model_files[0], mmap=True)
-    layers = _autoep_layers(state)
+    _, model_files, _ = checkpoint_files(path)
+    state = load_checkpoint_file(model_files[0], mmap=True)
+    layers = autoep_layers(state)
     if layers is None:
         return None
     return layers, (state.get("ds_config") or {}).get("expert_parallel", {}).get("preset_model")
@@ -197,7 +197,7 @@ def _state_files(folder: str) -> list[str]:
     return sorted(f for f in os.listdir(folder) if f.endswith(".pt"))
 
 
-def _experts_to_hf(zero: str, layers: list, preset_name: str) -> None:
+def experts_to_hf(zero: str, layers: list, preset_name: str) -> None:
     """A universal checkpoint's zero/ folder, saved with AutoEP, under transformers' names (as
     policy/expert_parallel.py names the live model's): per MoE layer L and state (fp32, exp_avg,
     exp_avg_sq), L.experts.gate_up_proj = cat(experts.w1, experts.w3, dim=1) and
@@ -207,7 +207,7 @@ def _experts_to_hf(zero: str, layers: list, preset_name: str) -> None:
 
     from deepspeed.checkpoint.constants import PARAM
 
-    from megagrpo.policy.expert_parallel import _hf_name
+    from megagrpo.policy.expert_parallel import hf_name
 
     preset, stub = _preset(preset_name), SimpleNamespace(model_family=preset_name)
     for entry in layers:
@@ -228,21 +228,21 @@ def _experts_to_hf(zero: str, layers: list, preset_name: str) -> None:
             shutil.rmtree(part)
         for name in os.listdir(zero):
             if name.startswith(f"{layer}.") and not name.startswith(f"{hf}."):
-                renamed = f"{layer}.{_hf_name(name[len(layer) + 1:], stub)}"
+                renamed = f"{layer}.{hf_name(name[len(layer) + 1:], stub)}"
                 if renamed != name:
                     os.rename(os.path.join(zero, name), os.path.join(zero, renamed))
 
 
-def _experts_to_autoep(zero: str, preset_name: str) -> None:
-    """The inverse of _experts_to_hf, for a checkpoint saved without AutoEP loaded by a model with
+def experts_to_autoep(zero: str, preset_name: str) -> None:
+    """The inverse of experts_to_hf, for a checkpoint saved without AutoEP loaded by a model with
     it: L.experts.gate_up_proj [E, 2I, H] split into experts.w1 and w3, down_proj as w2, each
     marked as DeepSpeed's universal expert tensors are (whole, [E, ...]: each ep rank's experts
     are sliced out at load); L.gate.* -> L.router.gate.*; shared experts renamed back."""
     from deepspeed.checkpoint.constants import CAT_DIM, EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
 
     preset = _preset(preset_name)
-    _, model_files, _ = _files(os.path.dirname(zero))  # ZeRO-3 keeps a parameter flat there: its shape
-    shapes = {name: tuple(shape) for group in _load(model_files[0], mmap=True)["param_shapes"]
+    _, model_files, _ = checkpoint_files(os.path.dirname(zero))  # ZeRO-3 keeps a parameter flat there: its shape
+    shapes = {name: tuple(shape) for group in load_checkpoint_file(model_files[0], mmap=True)["param_shapes"]
               for name, shape in group.items()}
     gate_up = f".{preset.experts_pattern}.{preset.expert_w1}"
     back = {preset.router_pattern: "router.gate", preset.shared_experts_pattern: "shared_experts",

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.checkpoints import rollouts_ahead as ahead_file
-from megagrpo.checkpoints.autoep import _autoep_of, _experts_to_autoep, _experts_to_hf
+from megagrpo.checkpoints.autoep import autoep_of, experts_to_autoep, experts_to_hf
 from megagrpo.cluster.distributed import all_reduce
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.schema import ConfigError
@@ -235,7 +235,7 @@ def to_universal(path: str, is_main: bool, autoep_preset: Optional[str] = None) 
     import subprocess
     import sys
 
-    saved = _autoep_of(path)
+    saved = autoep_of(path)
     rename = None if (saved is None) == (autoep_preset is None) else ("hf" if saved else "autoep")
     out = f"{path}.universal" + (f"-{rename}" if rename else "")
     error = None
@@ -249,9 +249,9 @@ def to_universal(path: str, is_main: bool, autoep_preset: Optional[str] = None) 
             if proc.returncode != 0:
                 raise RuntimeError(f"ds_to_universal failed on '{path}':\n{proc.stderr[-3000:]}")
             if rename == "hf":
-                _experts_to_hf(os.path.join(tmp, "zero"), *saved)
+                experts_to_hf(os.path.join(tmp, "zero"), *saved)
             elif rename == "autoep":
-                _experts_to_autoep(os.path.join(tmp, "zero"), autoep_preset)
+                experts_to_autoep(os.path.join(tmp, "zero"), autoep_preset)
             os.rename(tmp, out)
         except Exception as e:  # noqa: BLE001 - raised below, after the other ranks passed the barrier
             error = e

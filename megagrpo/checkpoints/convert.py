@@ -53,14 +53,14 @@ from typing import Iterator
 
 import torch
 
-from megagrpo.checkpoints.autoep import _autoep_tensors
+from megagrpo.checkpoints.autoep import autoep_tensors
 from megagrpo.checkpoints.checkpoint import ADAPTER_CONFIG, MARKER
-from megagrpo.checkpoints.deepspeed_files import (  # noqa: F401 (ConvertError: raised to callers)
+from megagrpo.checkpoints.deepspeed_files import (
     ConvertError,
-    _autoep_layers,
-    _files,
-    _load,
-    _zero3_frozen_tensors,
+    autoep_layers,
+    checkpoint_files,
+    load_checkpoint_file,
+    zero3_frozen_tensors,
 )
 from megagrpo.checkpoints.safetensors_writer import write_safetensors
 from megagrpo.config.schema import ConfigError
@@ -79,15 +79,16 @@ def layout(ckpt: str) -> dict:
     """What kind of checkpoint this is, from its files (and trainer_state.json when present)."""
     if not os.path.isdir(ckpt):
         raise ConvertError(f"{ckpt}: not a folder; pass one checkpoint, e.g. output_dir/checkpoints/step_00000010")
-    layer_files, model_files, optim_files = _files(ckpt)
+    layer_files, model_files, optim_files = checkpoint_files(ckpt)
     if not model_files:
         raise ConvertError(f"{ckpt}: no DeepSpeed *model_states.pt files: not a megagrpo/DeepSpeed checkpoint")
     state_file = os.path.join(ckpt, "trainer_state.json")
     trainer = json.load(open(state_file)) if os.path.isfile(state_file) else {}
-    zero = _load(optim_files[0], mmap=True)["optimizer_state_dict"].get("zero_stage", 0) if optim_files else 0
+    zero = (load_checkpoint_file(optim_files[0], mmap=True)["optimizer_state_dict"].get("zero_stage", 0)
+            if optim_files else 0)
     mp_ranks = {re.search(r"mp_rank_(\d+)", os.path.basename(f)).group(1) for f in model_files}
     kind = "pipeline" if layer_files else ("autotp" if len(mp_ranks) > 1 else f"zero-{int(zero)}")
-    autoep = None if layer_files else _autoep_layers(_load(model_files[0], mmap=True))
+    autoep = None if layer_files else autoep_layers(load_checkpoint_file(model_files[0], mmap=True))
     return {"kind": kind, "zero_stage": int(zero), "complete": os.path.isfile(os.path.join(ckpt, MARKER)),
             "dp_partitions": len(optim_files) // max(1, len(mp_ranks)), "model_parallel_files": len(mp_ranks),
             "layer_files": len(layer_files), "trainer_state": trainer,
@@ -100,11 +101,11 @@ def hf_tensors(ckpt: str, model: str = None, info: dict = None) -> Iterator[tupl
     using the full shapes of the model's config (`model`, default: the run's). `info` is
     layout(ckpt) when the caller already has it."""
     info = info or layout(ckpt)
-    layer_files, model_files, optim_files = _files(ckpt)
+    layer_files, model_files, optim_files = checkpoint_files(ckpt)
     if info["kind"] == "pipeline":
         yield from _pipeline_tensors(layer_files)
     elif info.get("ep", 1) > 1:
-        yield from _autoep_tensors(ckpt, info, model_files, optim_files)
+        yield from autoep_tensors(ckpt, info, model_files, optim_files)
     elif info["kind"] == "autotp":
         yield from _merge_tensor_parallel(ckpt, info, model or info["trainer_state"].get("model"),
                                           model_files, optim_files)
@@ -116,7 +117,7 @@ def _rank_tensors(info, model_file, optim_files):
     """One model-parallel rank's tensors: reassembled from ZeRO-3 partitions, or as saved."""
     if info["zero_stage"] == 3:
         return _zero3_tensors(model_file, optim_files)
-    return iter(_load(model_file)["module"].items())
+    return iter(load_checkpoint_file(model_file)["module"].items())
 
 
 def _merge_tensor_parallel(ckpt, info, model, model_files, optim_files):
@@ -163,7 +164,7 @@ def _pipeline_tensors(layer_files):
         by_layer.setdefault(index, []).append(path)  # sorted names: tp rank order
     decoder, seen_norm = 0, False
     for index in sorted(by_layer):
-        states = [_load(path) for path in by_layer[index]]
+        states = [load_checkpoint_file(path) for path in by_layer[index]]
         keys = states[0]
         if any(k.startswith("layer.") for k in keys):
             names = {k: f"model.layers.{decoder}.{k[len('layer.'):]}" for k in keys}
@@ -189,10 +190,10 @@ def _zero3_tensors(model_file, optim_files, window_mb: int = 16):
     window plus one parameter, not the model."""
     import gc
 
-    groups_shapes = _load(model_file)["param_shapes"]
+    groups_shapes = load_checkpoint_file(model_file)["param_shapes"]
 
     def open_flat_groups():
-        return [_load(f, mmap=True)["optimizer_state_dict"]["fp32_flat_groups"] for f in optim_files]
+        return [load_checkpoint_file(f, mmap=True)["optimizer_state_dict"]["fp32_flat_groups"] for f in optim_files]
     flat_groups, world, read = open_flat_groups(), len(optim_files), 0
     for index, shapes in enumerate(groups_shapes):
         offset = 0
@@ -212,7 +213,7 @@ def _zero3_tensors(model_file, optim_files, window_mb: int = 16):
             raise ConvertError(f"{optim_files[0]}: parameter group {index} holds "
                                f"{flat_groups[0][index].numel()} elements per rank, its parameters "
                                f"{offset}; not a ZeRO-3 layout this reader knows")
-    yield from _zero3_frozen_tensors(optim_files)
+    yield from zero3_frozen_tensors(optim_files)
 
 
 def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: int = 2048, log=print) -> None:

@@ -16,7 +16,7 @@ class ConvertError(ValueError):
     pass
 
 
-def _load(path: str, mmap: bool = False):
+def load_checkpoint_file(path: str, mmap: bool = False):
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -24,7 +24,7 @@ def _load(path: str, mmap: bool = False):
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
-def _files(ckpt: str):
+def checkpoint_files(ckpt: str):
     """Pipeline layer files, model-states files (one per model-parallel rank, under ZeRO-3 one per
     rank), ZeRO optimizer files in rank order. AutoEP's per-expert files (layer_L_expert_E_...) and
     its ZeRO-0 optimizer files (expp_rank_R_...) are left out: the AutoEP readers find their own."""
@@ -40,18 +40,18 @@ def _files(ckpt: str):
 EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
 
-def _autoep_layers(model_state: dict):
+def autoep_layers(model_state: dict):
     """The AutoEP layers a model-states file records (DeepSpeed's ds_autoep_layers: per MoE layer
     its module path, expert count, ep size, this rank's ep rank, the expert placement), or None."""
     layers = model_state.get("ds_autoep_layers") or model_state.get("autoep_layers")
     return layers if isinstance(layers, list) and layers else None
 
 
-def _zero3_frozen_tensors(optim_files):
+def zero3_frozen_tensors(optim_files):
     """ZeRO-3's frozen parameters (a VLM's frozen vision tower) have no optimizer state: each
     rank's model-states file holds its fragment (ceil(n / world) elements, in rank order), beside
     the full shapes."""
-    states = [_load(f.replace("_optim_states.pt", "_model_states.pt")) for f in optim_files]
+    states = [load_checkpoint_file(f.replace("_optim_states.pt", "_model_states.pt")) for f in optim_files]
     for name, shape in (states[0].get("frozen_param_shapes") or {}).items():
         numel = math.prod(shape)
         yield name, torch.cat([state["frozen_param_fragments"][name] for state in states])[:numel].view(shape)

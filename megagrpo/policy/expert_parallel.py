@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megagrpo.policy.weight_gather import _whole, stream_units
+from megagrpo.policy.weight_gather import stream_units, whole_unit
 
 _LOGITS = "_megagrpo_gate_logits"  # where each router keeps its last gate output
 
@@ -59,7 +59,7 @@ def _preset(layer):
     return PRESET_MODELS[layer.model_family]
 
 
-def _hf_name(relative: str, layer) -> str:
+def hf_name(relative: str, layer) -> str:
     """A parameter's name inside an AutoEP layer (router.gate.weight, ...) under the HF block's."""
     preset = _preset(layer)
     head, _, rest = relative.partition(".")
@@ -127,8 +127,8 @@ def hf_named_tensors(module: torch.nn.Module, bucket_mb: int = 256,
                 seen.add(id(param))
                 full = f"{module_name}.{name}" if module_name else name
                 if layer is not None:
-                    full = f"{layer_name}.{_hf_name(full[len(layer_name) + 1:], layer)}"
-                yield [param], _whole(full, param, owner)
+                    full = f"{layer_name}.{hf_name(full[len(layer_name) + 1:], layer)}"
+                yield [param], whole_unit(full, param, owner)
     return stream_units(units(), bucket_mb)
 
 

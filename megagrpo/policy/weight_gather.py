@@ -27,11 +27,11 @@ def named_full_tensors(module: torch.nn.Module, bucket_mb: int = 256,
                 if id(param) in seen or (trained_only and not param.requires_grad):
                     continue  # tied weights are sent once, under their first name
                 seen.add(id(param))
-                yield [param], _whole(f"{module_name}.{name}" if module_name else name, param, owner)
+                yield [param], whole_unit(f"{module_name}.{name}" if module_name else name, param, owner)
     return stream_units(units(), bucket_mb)
 
 
-def _whole(name, param, owner):
+def whole_unit(name, param, owner):
     def produce():
         with tensor_parallel_gather(param, owner):
             yield name, param.data
