@@ -37,9 +37,13 @@ def prepack_cpu_experts(model, layers: set[str]) -> None:
     again, in place, the `layers` that were reloaded only: a sync of some layers (a LoRA
     policy's) leaves the others packed. (With the padded width the kernel needs, a reload is
     refused.)"""
-    from vllm._custom_ops import cpu_prepack_moe_weight
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
+    if not layers:
+        return  # a dense model, or a sync that left the experts as they were
+    try:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a build without the CPU experts
+        return
     for name, layer in model.named_modules():
         if not any(name == layer_name or name.startswith(layer_name + ".") for layer_name in layers):
             continue  # not reloaded (vLLM's module: model.layers.N.mlp.experts.routed_experts)
