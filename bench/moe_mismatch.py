@@ -16,37 +16,33 @@ not the CPU build; it is listed as unavailable there. Needs the MoE quickstart's
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from objectives import train as train_quickstart  # noqa: E402 (the launch, its held-out accuracy and time)
+
+from megagrpo.run_logs import read_series  # noqa: E402
+
 METRICS = {"|sampler - trainer| logp": "train/sampling/sampling_logp_difference/mean",
            "route flips (used)": "train/moe/route_flips", "route flips (router's own)": "train/moe/route_flips_own",
            "clipped tokens": "train/clip_ratio/region_mean", "expert load entropy": "train/moe/load_entropy"}
 
 
 def train(args, replay: str, port: int) -> dict:
-    out = os.path.join(args.out_dir, replay)
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(args.ranks),
-           "--master_port", str(port), "--module", "megagrpo.train", "--config", "configs/tiny_arith.yaml",
-           f"model.name_or_path={args.run_dir}/warm", f"data.train_file={args.run_dir}/data/train.jsonl",
-           f"data.eval_file={args.run_dir}/data/eval.jsonl", f"output_dir={out}", "checkpoint.resume=none",
-           f"grpo.max_steps={args.steps}", f"grpo.num_iterations={args.iterations}", "logging.progress_bar=false",
-           "checkpoint.save_steps=0", "checkpoint.save_hf_at_end=false", f"rollout.routing_replay={replay}",
-           f"parallel.expert_parallel_size={args.ep}", f"grpo.learning_rate={args.lr}"]
-    subprocess.run(["rm", "-rf", out], check=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
-    if proc.returncode != 0:
-        raise SystemExit(f"{replay} failed:\n{proc.stderr[-3000:]}")
-    seconds = time.perf_counter() - start
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    series = {name: [r[key] for r in rows if key in r] for name, key in METRICS.items()}
-    results = json.load(open(os.path.join(out, "eval_results.json")))
-    return {"means": {name: sum(v) / len(v) for name, v in series.items() if v},
-            "before": results["before"]["rewards/answer_match"], "after": results["after"]["rewards/answer_match"],
-            "seconds": seconds}
+    """bench/objectives.py's launch of the quickstart config on the MoE run's model and data,
+    with this replay; its metrics' means over the steps beside the held-out accuracy."""
+    launch = SimpleNamespace(tiny=args.run_dir, ranks=args.ranks, steps=args.steps, out_dir=args.out_dir)
+    result = train_quickstart(launch, replay, [f"grpo.num_iterations={args.iterations}",
+                                               f"rollout.routing_replay={replay}",
+                                               f"parallel.expert_parallel_size={args.ep}",
+                                               f"grpo.learning_rate={args.lr}"], port)
+    series = read_series(os.path.join(args.out_dir, replay))
+    result["means"] = {name: sum(v for _, v in series[key]) / len(series[key])
+                       for name, key in METRICS.items() if series.get(key)}
+    return result
 
 
 def main():
