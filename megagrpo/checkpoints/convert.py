@@ -67,7 +67,7 @@ from megagrpo.config.schema import ConfigError
 from megagrpo.dtypes import DTYPES
 from megagrpo.multimodal.processor import PROCESSOR_FILES
 from megagrpo.policy import lora
-from megagrpo.policy.moe import checkpoint_names, is_moe
+from megagrpo.policy.moe import checkpoint_names, is_moe_folder
 from megagrpo.process_exit import exit_without_teardown
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -238,16 +238,11 @@ def to_hf(ckpt: str, out: str, model: str = None, dtype: str = None, shard_mb: i
 
 def checkpoint_format(tensors: Iterator[tuple[str, torch.Tensor]], model: str):
     """A mixture of experts' tensors under its checkpoint's names (per expert, as the run's
-    export writes them: policy/moe.py), read off a model built on the meta device; a dense
-    model's as they are."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model)
-    if not is_moe(config):
+    export writes them: policy/moe.py), read off the model built on the meta device
+    (lora.meta_model); a dense model's as they are."""
+    if not is_moe_folder(model):
         return tensors
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    return checkpoint_names(tensors, skeleton)
+    return checkpoint_names(tensors, lora.meta_model(model))
 
 
 def _adapter(ckpt: str, info: dict) -> tuple[dict, dict]:

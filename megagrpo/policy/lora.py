@@ -24,8 +24,8 @@ from typing import Iterator, Optional
 import torch
 
 from megagrpo.config.schema import Config, ConfigError, LoraConfig, require
-from megagrpo.multimodal.models import in_language_model, is_vision_language, model_config
-from megagrpo.policy.moe import ROUTERS, is_moe
+from megagrpo.multimodal.models import in_language_model, is_vision_language
+from megagrpo.policy.moe import is_moe, is_moe_folder
 
 ADAPTER = "default"  # peft's adapter name; the only one a policy has
 ALL_LINEAR = "all-linear"
@@ -59,8 +59,7 @@ def peft_config(lora: LoraConfig, base_model: str = "", targets=None):
     import peft
 
     if targets is None:
-        explicit = bool(base_model) and (is_vision_language(base_model)
-                                         or model_config(base_model).get("model_type") in ROUTERS)
+        explicit = bool(base_model) and (is_vision_language(base_model) or is_moe_folder(base_model))
         targets = target_modules(lora, meta_model(base_model)) if explicit else _configured_targets(lora)
     return peft.LoraConfig(r=lora.r, lora_alpha=lora_alpha(lora), lora_dropout=lora.dropout,
                            target_modules=targets, modules_to_save=list(lora.modules_to_save) or None,

@@ -22,7 +22,6 @@ weight sync and the export use (checkpoint_names).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Iterator, Optional
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from megagrpo.config.schema import Config, require
+from megagrpo.multimodal.models import model_config
 from megagrpo.policy.expert_parallel import is_autoep_layer, replace_routes, router_modules
 
 ROUTERS = {"qwen3_moe": "Qwen3MoeTopKRouter", "mixtral": "MixtralTopKRouter"}
@@ -43,11 +43,9 @@ EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_
 
 def check_moe(cfg: Config) -> None:
     """A mixture-of-experts model goes where its path is tested, or is refused with the reason."""
-    path = os.path.join(cfg.model.name_or_path, "config.json")
-    if not os.path.isfile(path):
+    model = model_config(cfg.model.name_or_path)
+    if not model:
         return  # a hub name: read when it loads
-    with open(path) as f:
-        model = json.load(f)
     experts = next((key for key in EXPERT_KEYS if model.get(key)), None)
     if experts is None:
         require(cfg.parallel.expert_parallel_size == 1,
@@ -90,6 +88,11 @@ def check_moe(cfg: Config) -> None:
 def is_moe(config) -> bool:
     """Whether an HF config describes a mixture-of-experts model trained here."""
     return getattr(config, "model_type", None) in ROUTERS
+
+
+def is_moe_folder(path: str) -> bool:
+    """is_moe for a model folder, read from its config.json (False for a hub name)."""
+    return model_config(path).get("model_type") in ROUTERS
 
 
 class Routing:
@@ -214,8 +217,8 @@ class Routing:
         return out
 
     def aux_loss(self) -> torch.Tensor:
-        """The last forward's load-balancing loss over its real tokens (the Switch
-        Transformer's, as transformers computes it), summed over nothing more: one value."""
+        """The last forward's load-balancing loss over its real tokens: the Switch
+        Transformer's, as transformers computes it over all the layers' router logits."""
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
         real = self._real(self.logits[0].shape[0], self.logits[0].device)
