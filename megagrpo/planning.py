@@ -355,7 +355,7 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int, tokens: Optional[i
         "trainer_state": state,
         "gradient_buckets": _bucket_bytes(zero, trained_params, weight_b),
         "gradient_reduction": _reduction_bytes(zero, plan, trained_params, weight_b),
-        "optimizer_step": 0 if "optimizer" in on_host else _step_bytes(plan, trained_params, cfg.model.dtype),
+        "optimizer_step": 0 if "optimizer" in on_host else _step_bytes(plan, cfg.model.dtype),
         "reference": 0 if "reference" in on_host else plan.bytes_per_rank["reference"],
         "gathered_params": _gathered_bytes(zero, plan, weight_b),
         "rollout": engine_bytes(cfg, plan.bytes_per_rank["rollout_weights"]),
@@ -414,14 +414,10 @@ above the plan's other parts), Qwen2.5-0.5B's shape: bf16, 24 layers on 2 ranks 
 on 1 rank 13.8-18.0; float32, 2 layers on 2 ranks 12.2-13.5 (docs/parallelism.md)."""
 
 
-def _step_bytes(plan: Plan, trained_params: int, dtype: str) -> int:
-    """trained_params: the rank's before ZeRO (plan.params_trained, whose partition the plan
-    knows: its experts partitioned over their own group)."""
-    if not plan.zero_stage:
-        return 0
-    partition = (plan.trained_partition if trained_params == plan.params_trained
-                 else trained_params // plan.zero_partitions)
-    return partition * STEP_BYTES_PER_PARAMETER[dtype]
+def _step_bytes(plan: Plan, dtype: str) -> int:
+    """Over the trained parameters of this rank's ZeRO partition (plan.trained_partition: an
+    MoE's experts partitioned over their own group)."""
+    return plan.trained_partition * STEP_BYTES_PER_PARAMETER[dtype] if plan.zero_stage else 0
 
 
 def _all_to_all_bytes(config, tokens: int, weight_b: int) -> int:

@@ -231,7 +231,7 @@ def to_universal(path: str, is_main: bool, autoep_preset: Optional[str] = None) 
     (None: a model without AutoEP). When the checkpoint was saved with AutoEP and the model has
     none, or the other way round, the experts' parameter names differ: the form made is
     `<tag>.universal-hf` (or `-autoep`), its expert folders renamed and joined or split
-    (_rename_experts)."""
+    (autoep.experts_to_hf, experts_to_autoep)."""
     import subprocess
     import sys
 

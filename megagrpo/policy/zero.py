@@ -82,7 +82,8 @@ class ZeroPolicy(Policy):
         which the update passes compare with and, under routing replay R2, replay)."""
         out = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
         model.eval()
-        self.old_routes = []
+        if record_routes:
+            self.old_routes = []
         with torch.no_grad():
             for rows in micro_batches:  # an empty micro-batch still runs (ZeRO-3 gathers are collective)
                 logp = self._forward(model, batch.select(rows or [0]))[0]
@@ -99,6 +100,7 @@ class ZeroPolicy(Policy):
         if self.routing is not None:  # routing replay R2, load counts, the load-balancing loss
             self.routing.begin_step(self.old_routes, self.cfg.rollout.routing_replay == "r2",
                                     self.cfg.model.router_aux_loss_coef)
+            self.old_routes = []  # this step's: no later step compares with them
         for passed in range(self.g.num_iterations):
             for i, rows in enumerate(micro_batches):
                 self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
