@@ -181,3 +181,100 @@ def test_a_lora_policy_on_a_mixture_of_experts_adapts_attention_and_syncs_the_ex
     adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     assert adapter and not any("experts" in name or "mlp.gate" in name for name in adapter)
 
+
+
+def test_r3_the_samplers_routes_are_laid_out_and_replayed_in_every_layout(tiny, models, tmp_path):
+    """Routing replay R3 in process, on the tiny Qwen3-MoE in float32: transformers' sampler
+    (rollout.engine hf) records each completion's routes, one per token it fed; the trainer
+    lays them out packed and padded, and its own routers agree with them at every fed token (so
+    a misplaced route would show as flips); routes moved to other experts are used instead and
+    change the log-probs; the routes survive a checkpoint of the rollouts sampled ahead; the
+    sampler takes the trainer's per-expert weight stream; vLLM on CPU is refused with the reason."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from megagrpo.checkpoints import rollouts_ahead
+    from megagrpo.config.schema import ConfigError
+    from megagrpo.policy.batch import Completion, make_batch
+    from megagrpo.policy.logprobs import completion_logprobs, install_logprob_head
+    from megagrpo.policy.moe import attach_routing, checkpoint_names
+    from megagrpo.rollout.ahead import AheadBatch
+    from megagrpo.rollout.generators import HFGenerator
+    from megagrpo.rollout.vllm_settings import vllm_settings
+    from megagrpo.validation import load_config
+
+    path = str(models("qwen3_moe"))
+    cfg = load_config("configs/tiny_arith.yaml", tiny_overrides({**tiny, "warm": path}, tmp_path) + [
+        "rollout.engine=hf", "rollout.routing_replay=r3"])
+    sampler = HFGenerator(cfg, path, seed=0)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    completions = [c for group in sampler.generate(prompts, n=2, seeds=[1, 2]) for c in group]
+    rows = [p for p in prompts for _ in range(2)]
+    for prompt, c in zip(rows, completions):  # every token fed: the prompt and all but the last sampled
+        assert c.routes.shape == (len(prompt) + len(c.token_ids) - 1, 2, 2) and c.routes.dtype == np.uint8
+    batch = make_batch(rows, completions, torch.zeros(4), pad_id=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    install_logprob_head(model, chunk_size=1024)
+    routing = attach_routing(model)
+    unrouted = make_batch(rows, [Completion(c.token_ids, c.logprobs, c.truncated) for c in completions],
+                          torch.zeros(4), pad_id=0)
+    for packing in (True, False):
+        replayed = completion_logprobs(model, batch, 1.0, packing=packing)[0]
+        routing.count_sampler_flips()
+        own = completion_logprobs(model, unrouted, 1.0, packing=packing)[0]
+        assert torch.equal(replayed, own)  # the sampler's routes are the trainer's own here (float32)
+        assert (replayed - batch.sampler_logp).abs().max() < 1e-5
+    fed = sum(len(c.routes) for c in completions)
+    assert routing.sampler_flips.tolist() == [0.0, 2.0 * fed]  # both layouts: no fed token routed otherwise
+    moved = [Completion(c.token_ids, c.logprobs, c.truncated, routes=(c.routes + 1) % 8) for c in completions]
+    routing.sampler_flips.zero_()
+    changed = completion_logprobs(model, make_batch(rows, moved, torch.zeros(4), pad_id=0), 1.0)[0]
+    routing.count_sampler_flips()
+    assert routing.sampler_flips.tolist() == [fed, fed] and (changed - replayed).abs().max() > 1e-2
+    # the rollouts sampled ahead keep their routes through a checkpoint (JSON, no pickle)
+    rollouts_ahead.save(str(tmp_path), 0, [AheadBatch(3, [0, 1], [completions[:2], completions[2:]], 2, 0.5)])
+    back = [c for group in rollouts_ahead.read(str(tmp_path / rollouts_ahead.file_name(0)))[0].groups for c in group]
+    assert all(np.array_equal(a.routes, b.routes) and a.routes.dtype == b.routes.dtype
+               for a, b in zip(back, completions))
+    # the sampler takes the trainer's weight stream, whose experts have per-expert names
+    for param in sampler.model.parameters():
+        param.data.normal_()
+    sampler.load_weights(checkpoint_names(model.named_parameters(), model))
+    theirs = dict(sampler.model.named_parameters())
+    assert all(torch.equal(param, theirs[name]) for name, param in model.named_parameters())
+    with pytest.raises(ConfigError, match="Model Runner V2"):
+        vllm_settings(cfg, path, 0, 1, on_gpu=False)
+    on_gpu = vllm_settings(cfg, path, 0, 1, on_gpu=True)
+    assert on_gpu["enable_return_routed_experts"] and on_gpu["enable_prefix_caching"]
+
+
+@pytest.mark.multirank
+@pytest.mark.gpu_check
+def test_routing_replay_r3_narrows_the_sampler_gap_in_bf16(tiny, models, tmp_path, record_property):
+    """bf16, the tiny Qwen3-MoE, 3 steps with the reference on: the sampler (vLLM on CUDA, which
+    returns its routes there; transformers' generate on CPU) routes some tokens otherwise than
+    the trainer (moe/sampler_route_flips); with R3 the trainer scores them through the sampler's
+    experts and the sampler/trainer log-prob gap narrows against no replay, in the reference,
+    old-policy and update passes alike (the updates use no route other than the sampler's). On
+    CPU also with ep 2 on 2 ranks under ZeRO-3 (AutoEP's routers and the reference's)."""
+    import importlib.util
+
+    engine = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
+    model, common = models("qwen3_moe"), ["model.dtype=bfloat16", f"rollout.engine={engine}", "grpo.max_steps=3",
+                                          "checkpoint.save_steps=0"]
+    one = [[sys.executable, "-m"], model, "grpo.per_device_train_batch_size=32", *common]
+    runs = {mode: train(tiny, tmp_path, mode, *one, f"rollout.routing_replay={mode}") for mode in ("none", "r3")}
+    if not torch.cuda.is_available():
+        runs["r3_ep2"] = train(tiny, tmp_path, "r3_ep2", torchrun(2, "-m"), model, *common,
+                               "grpo.per_device_train_batch_size=16", "deepspeed=configs/ds_zero3_bf16.json",
+                               "parallel.expert_parallel_size=2", "rollout.routing_replay=r3")
+    gap = {name: values(out, "train/sampling/sampling_logp_difference/mean") for name, out in runs.items()}
+    flips = {name: values(out, "train/moe/sampler_route_flips") for name, out in runs.items() if name != "none"}
+    for name in gap:
+        record_property(f"{name} sampler gap (mean per step)", gap[name])
+    for name in flips:
+        record_property(f"{name} sampler route flips", flips[name])
+        assert set(values(runs[name], "train/moe/route_flips")) == {0.0}
+        assert max(gap[name]) < min(gap["none"]), gap
+    assert values(runs["none"], "train/moe/sampler_route_flips") == []  # no routes sampled without r3
+    assert max(flips["r3"]) > 0, flips  # bf16 routes some tokens otherwise in the sampler

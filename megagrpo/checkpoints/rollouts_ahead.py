@@ -1,5 +1,6 @@
 """The batches sampled ahead (rollout.max_staleness) in a checkpoint: one JSON file per rank,
-rollouts_ahead_rank<r>.json, of plain fields and lists (token ids, log-probs, versions).
+rollouts_ahead_rank<r>.json, of plain fields and lists (token ids, log-probs, versions), and
+an MoE sampler's routes (routing replay r3) as {"shape", "dtype", "base64"} of their bytes.
 
 Nothing is unpickled: a checkpoint may be copied from another cluster or user. A file is read
 as JSON and only the fields of AheadBatch, Completion and Trajectory are accepted; anything else
@@ -12,9 +13,12 @@ trains on the same log-probs.
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
+
+import numpy as np
 
 from megagrpo.config.schema import ConfigError
 
@@ -36,9 +40,33 @@ def to_dict(batch) -> dict:
     """An AheadBatch as plain JSON data."""
     names = {cls: kind for kind, cls in _kinds().items()}
     groups = None if batch.groups is None else [
-        [{"kind": names[type(c)], **dataclasses.asdict(c)} for c in group] for group in batch.groups]
+        [{"kind": names[type(c)], **dataclasses.asdict(c), "routes": _routes_to_json(c.routes)} for c in group]
+        for group in batch.groups]
     return {"step": batch.step, "indices": list(batch.indices), "groups": groups,
             "version": batch.version, "seconds": batch.seconds}
+
+
+ROUTE_DTYPES = ("uint8", "int16", "uint16")  # the samplers' route types (policy/moe.py, vLLM)
+
+
+def _routes_to_json(routes):
+    if routes is None:
+        return None
+    routes = np.ascontiguousarray(routes)
+    return {"shape": list(routes.shape), "dtype": str(routes.dtype),
+            "base64": base64.b64encode(routes.tobytes()).decode("ascii")}
+
+
+def _routes_from_json(data, where: str):
+    if data is None:
+        return None
+    try:
+        if data["dtype"] not in ROUTE_DTYPES:
+            raise ValueError(f"dtype {data['dtype']!r}, not one of {ROUTE_DTYPES}")
+        flat = np.frombuffer(base64.b64decode(data["base64"], validate=True), dtype=data["dtype"])
+        return flat.reshape([int(n) for n in data["shape"]]).copy()
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: not batches megagrpo saved (routes: {e})") from None
 
 
 def from_dict(data: dict, where: str):
@@ -56,7 +84,7 @@ def from_dict(data: dict, where: str):
         unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ConfigError(f"{where}: not batches megagrpo saved (unknown fields {sorted(unknown)})")
-        return cls(**values)
+        return cls(**{**values, "routes": _routes_from_json(values.get("routes"), where)})
 
     if not isinstance(data, dict) or set(data) != set(BATCH_FIELDS):
         raise ConfigError(f"{where}: not batches megagrpo saved (a batch with fields "

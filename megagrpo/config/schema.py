@@ -331,8 +331,10 @@ class RolloutConfig:
     > 1, the experts the old-policy pass chose for each token are used again in every update
     pass, so an update never moves a token to other experts than its old log-prob was computed
     with; with one iteration (or a dense model) nothing to replay. none: each pass routes
-    afresh. r3: the generator's routes replayed in every trainer pass; refused so far (on the
-    CPU build vLLM cannot return routes)."""
+    afresh. r3: the experts the generator chose for every token it fed come with the
+    completion and are replayed in every trainer pass (reference, old-policy, update): vLLM
+    returns them on GPU only (its Model Runner V2), rollout.engine hf everywhere; not through
+    `vllm serve` (rollout.servers, disaggregated placement)."""
     max_turns: int = 1
     """Model turns per trajectory. 1: single-turn completions (no tools). > 1: the model may
     call tools (rollout.tools, rollout.environment) and continues after their results until a

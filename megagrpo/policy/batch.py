@@ -7,7 +7,8 @@ per-token statistic cover the sampled tokens only.
 
 A prompt with images (a vision-language model) keeps them beside its row: `vision` holds each
 row's multimodal.processor.VisionPrompt (the G rows of a prompt share one), whose image tensors
-the forward pass joins in row order (policy/logprobs.py).
+the forward pass joins in row order (policy/logprobs.py). Under routing replay R3 `routes`
+holds each row's experts as the sampler chose them, replayed in every pass (policy/moe.py).
 
 Layout: prompts left-padded to P, completions right-padded to C, so that position P-1+t of the
 logits predicts completion token t. Position ids count real tokens only, as the sampler does.
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -28,6 +30,8 @@ class Completion:
     model_mask: Optional[list[int]] = None  # 1 where the model sampled the token (0: tool message); None: all
     versions: Optional[list[int]] = None  # per token, the training steps in the weights that sampled it
     # (rollout.partial_rollouts; None: all of one version)
+    routes: Optional[np.ndarray] = None  # (rollout.routing_replay r3, an MoE model) the experts the sampler
+    # chose, (T, layers, k) for the first T tokens of prompt + completion that it fed (policy/moe.py)
 
 
 _FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")
@@ -49,6 +53,7 @@ class RolloutBatch:
     ref_logp: Optional[torch.Tensor] = None   # (B, C)
     old_logp: Optional[torch.Tensor] = None   # (B, C)
     vision: Optional[list] = None   # (B,) per row its VisionPrompt or None; None: no row has images
+    routes: Optional[list] = None   # (B,) per row the sampler's routes (Completion.routes); None: none sampled
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -117,4 +122,5 @@ def make_batch(prompt_ids: list[list[int]], completions: list[Completion],
         advantages=advantages.float(), prompt_width=P,
         prompt_lens=torch.tensor([len(p) for p in prompt_ids]),
         completion_lens=torch.tensor([len(c.token_ids) for c in completions]),
-        vision=list(visions) if visions is not None and any(v is not None for v in visions) else None)
+        vision=list(visions) if visions is not None and any(v is not None for v in visions) else None,
+        routes=[c.routes for c in completions] if any(c.routes is not None for c in completions) else None)

@@ -7,6 +7,9 @@ Two switches, both on by default; both off give the plain path (what the tests c
            hidden states, never holding all N x V logits (fused_logprobs.py);
            off: full logits, log_softmax, gather.
 
+An MoE model's rows may bring the routes their sampler chose (routing replay R3,
+batch.routes), replayed at the positions of the tokens the sampler fed (policy/moe.py).
+
 A vision-language model's rows bring their image tensors (batch.vision), joined in the order
 the rows' image tokens lie in the flattened input (multimodal/processor.py); log-probs are read
 at completion tokens only, so image tokens are never scored.
@@ -100,6 +103,14 @@ def _image_inputs(model, batch, order: list, device) -> dict:
     return join_image_tensors([batch.vision[i] for i in order], module.config.model_type, module.dtype, device)
 
 
+def _use_sampler_routes(model, batch, starts: list[int], positions: int, device) -> None:
+    """Routing replay R3: the rows' sampler routes (batch.routes), laid out at the flat
+    positions of this forward where each sequence starts, replayed by an MoE model's routers."""
+    routing = routing_of(model)
+    if routing is not None:
+        routing.use_sampler_routes(batch.routes, starts, batch.token_counts(), positions, device)
+
+
 def _one_row(model) -> bool:
     """flash-attn varlen pays only for real tokens: pack everything into one row."""
     config = getattr(getattr(model, "module", model), "config", None)
@@ -117,6 +128,7 @@ def completion_logprobs(model, batch, temperature: float, packing: bool = True, 
         prompts, completions = batch.sequences()
         row_tokens = None if _one_row(model) or sp is not None else max(batch.token_counts())
         packed = pack(prompts, completions, row_tokens)
+        _use_sampler_routes(model, batch, packed.starts, packed.input_ids.numel(), device)
         if sp is None:
             logp, entropy = _forward(model, packed.input_ids.to(device), packed.position_ids.to(device),
                                      None, packed.predict_at.to(device), packed.targets.to(device),
@@ -134,6 +146,8 @@ def completion_logprobs(model, batch, temperature: float, packing: bool = True, 
         # the output at column P-1+t of each row predicts completion token t
         positions = (torch.arange(B, device=device)[:, None] * width
                      + torch.arange(P - 1, P - 1 + C, device=device)[None, :]).reshape(-1)
+        _use_sampler_routes(model, batch, [i * width + P - int(n) for i, n in enumerate(batch.prompt_lens)],
+                            B * width, device)
         logp, entropy = _forward(model, batch.input_ids, batch.position_ids, batch.attention_mask,
                                  positions, batch.completion_ids.reshape(-1), temperature, fused,
                                  _image_inputs(model, batch, list(range(B)), device), batch.attention_mask.bool())

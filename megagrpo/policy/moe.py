@@ -17,6 +17,12 @@ Routing replay R2 (rollout.routing_replay=r2): the routes of the old-policy pass
 replayed in every update pass over the same micro-batch, so a step's updates never move a
 token to other experts than those its old log-prob was computed with (docs/moe.md).
 
+Routing replay R3 (rollout.routing_replay=r3): the experts the sampler chose for every token it
+fed come with the completion (Completion.routes) and are replayed in every pass, reference,
+old-policy and update alike, so the trainer scores the tokens through the experts that sampled
+them; the update passes replay the old-policy pass's routes, which hold the sampler's. A
+generator records its routes through `trace` (HFGenerator) or vLLM's routed experts.
+
 Also here: the checks of MoE layouts (check_moe), and the experts' checkpoint names, which the
 weight sync and the export use (checkpoint_names).
 """
@@ -26,6 +32,7 @@ import math
 import os
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -71,10 +78,11 @@ def check_moe(cfg: Config) -> None:
             "expert_parallel_size=1 for LoRA")
     require(not cfg.model.tiled_mlp, f"model.tiled_mlp with {where}: not supported (the tiles wrap a dense MLP); "
             "set model.tiled_mlp=false")
-    require(cfg.rollout.routing_replay != "r3",
-            f"rollout.routing_replay: r3 with {where}: not available: vLLM 0.32 returns the sampler's routes "
-            "(enable_return_routed_experts) only under its Model Runner V2, which needs Triton, so not on the CPU "
-            "build, and the trainer does not take them yet; use r2 (or none)")
+    r = cfg.rollout
+    require(r.routing_replay != "r3" or not (r.servers or r.placement == "disaggregated"),
+            f"rollout.routing_replay: r3 with {where} and rollout.{'servers' if r.servers else 'placement'}: not "
+            "available: `vllm serve` 0.32 does not return the sampler's routes over HTTP; use r2 (or the "
+            "co-located engine)")
     ep, experts_count = p.expert_parallel_size, int(model[experts])
     require(ep >= 1 and experts_count % ep == 0,
             f"parallel.expert_parallel_size: {ep} must be >= 1 and divide the {experts_count} experts of {where}")
@@ -109,7 +117,10 @@ class Routing:
             self.routers = [m for m in model.modules() if type(m).__name__ == kind]
         self.num_experts = int(self.routers[0].num_experts)
         self.top_k = int(self.routers[0].top_k)
-        self.replay: Optional[list[torch.Tensor]] = None
+        self.replay: Optional[list[torch.Tensor]] = None  # R2: per layer, the routes to use
+        self.sampler: Optional[tuple[list[torch.Tensor], torch.Tensor]] = None  # R3 (use_sampler_routes)
+        self.sampler_flips = torch.zeros(2, dtype=torch.float64)  # tokens flipped, tokens the sampler fed
+        self.trace: Optional[list[torch.Tensor]] = None  # when a list: every forward's routes, (N, layers, k)
         self.real_tokens: Optional[torch.Tensor] = None
         self.routes: list[Optional[torch.Tensor]] = [None] * len(self.routers)  # used by the last forward
         self.own_routes: list[Optional[torch.Tensor]] = [None] * len(self.routers)  # the routers' own choice
@@ -127,24 +138,69 @@ class Routing:
 
     def _hook(self, layer: int):
         def hook(router, inputs, output):
-            replay = None if self.replay is None else self.replay[layer]
             if self.autoep:  # (scores, experts, tokens per expert); the logits kept apart
-                self.own_routes[layer] = output[1].detach().to(self.route_dtype)
-                output, experts, logits = replace_routes(router, output, replay)
+                own = output[1].detach()
+                output, experts, logits = replace_routes(router, output, self._replay_at(layer, own))
             else:  # transformers' (logits, scores, experts)
                 logits, scores, experts = output
-                self.own_routes[layer] = experts.detach().to(self.route_dtype)
+                own = experts.detach()
+                replay = self._replay_at(layer, own)
                 if replay is not None:
                     experts = replay.to(experts.device, torch.long)
                     chosen = F.softmax(logits.float(), dim=-1).gather(-1, experts)
                     if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises
                         chosen = chosen / chosen.sum(dim=-1, keepdim=True)
                     output = (logits, chosen.to(scores.dtype), experts)
+            self.own_routes[layer] = own.to(self.route_dtype)
             self.routes[layer] = experts.detach().to(self.route_dtype)
             if self.keep_logits:
                 self.logits[layer] = logits
+            if self.trace is not None and layer == len(self.routers) - 1:
+                self.trace.append(torch.stack(self.routes, dim=1).cpu())
             return output
         return hook
+
+    def _replay_at(self, layer: int, own: torch.Tensor) -> Optional[torch.Tensor]:
+        """The experts to use in `layer` instead of the router's own (None: its own): R2's
+        routes of the old-policy pass, else the sampler's (R3) where it fed the token."""
+        if self.replay is not None:
+            return self.replay[layer]
+        if self.sampler is None:
+            return None
+        routes, fed = self.sampler
+        return torch.where(fed[:, None], routes[layer].to(own.device, own.dtype), own)
+
+    def use_sampler_routes(self, routes: Optional[list], starts: list[int], lengths: list[int], positions: int,
+                           device) -> None:
+        """Replay the sampler's routes (R3) in the next forwards: routes[i] ((T, layers, k), the
+        sampler's experts for the first T tokens of sequence i, or None), laid out at the flat
+        positions starts[i]..starts[i]+T-1 of a forward over `positions` tokens. Tokens the
+        sampler never fed (a sequence's last token, padding) keep the router's own choice."""
+        if routes is None:
+            self.sampler = None
+            return
+        replay = torch.zeros(positions, len(self.routers), self.top_k, dtype=self.route_dtype)
+        fed = torch.zeros(positions, dtype=torch.bool)
+        for sequence, (route, start, length) in enumerate(zip(routes, starts, lengths)):
+            if route is None:
+                continue
+            route = torch.from_numpy(np.asarray(route).astype(np.int64))  # vLLM: uint8, or uint16 past 256 experts
+            if route.dim() != 3 or route.shape[1:] != replay.shape[1:] or len(route) > length:
+                raise ValueError(f"the sampler's routes of sequence {sequence} have shape {tuple(route.shape)}; "
+                                 f"expected (at most {length} tokens, {len(self.routers)} layers, top {self.top_k}): "
+                                 "was the generator given another model than the trainer?")
+            replay[start:start + len(route)] = route.to(self.route_dtype)
+            fed[start:start + len(route)] = True
+        self.sampler = ([replay[:, layer].to(device) for layer in range(len(self.routers))], fed.to(device))
+
+    def count_sampler_flips(self) -> None:
+        """Count the last forward's tokens whose router chose other experts than the sampler
+        did, in any layer (moe/sampler_route_flips: what R3 replays over)."""
+        if self.sampler is not None:
+            routes, fed = self.sampler
+            self.sampler_flips += torch.tensor([self.flipped_tokens(self.own_routes, routes, fed),
+                                                int((fed & self._real(len(fed), fed.device)).sum())],
+                                               dtype=torch.float64)
 
     def _real(self, n: int, device) -> torch.Tensor:
         real = self.real_tokens
@@ -161,10 +217,13 @@ class Routing:
             counts = torch.bincount(routes[real].reshape(-1).long(), minlength=self.num_experts)
             self.load[layer] += counts.double().cpu()
 
-    def flipped_tokens(self, routes: list[torch.Tensor], old: list[torch.Tensor]) -> int:
-        """The real tokens whose experts in `routes` differ from `old` in any layer: the route
-        flips between two passes over the same micro-batch."""
+    def flipped_tokens(self, routes: list[torch.Tensor], old: list[torch.Tensor],
+                       among: Optional[torch.Tensor] = None) -> int:
+        """The real tokens (of those `among`, when given) whose experts in `routes` differ from
+        `old` in any layer: the route flips between two passes over the same tokens."""
         real = self._real(old[0].shape[0], old[0].device)
+        if among is not None:
+            real = real & among
         differs = torch.zeros_like(real)
         for now, before in zip(routes, old):
             differs |= (now.sort(dim=-1).values != before.sort(dim=-1).values).any(dim=-1)
@@ -205,9 +264,14 @@ class Routing:
         """The step's MoE metrics, summed over the ranks by reduce_sum: expert load per layer,
         route flips (moe/route_flips: tokens whose experts in an update pass differ from the
         old-policy pass's, 0 under replay; moe/route_flips_own: those whose router chose
-        differently, which replay overrode) and the load-balancing loss."""
+        differently, which replay overrode; moe/sampler_route_flips: tokens the sampler fed whose
+        router chose other experts than the sampler did, which R3 overrides) and the
+        load-balancing loss."""
         out = self.load_metrics(reduce_sum)
-        flips, aux = reduce_sum(self.flips), reduce_sum(self.aux)
+        flips, aux, sampler = reduce_sum(self.flips), reduce_sum(self.aux), reduce_sum(self.sampler_flips.clone())
+        self.sampler_flips.zero_()
+        if sampler[1] > 0:
+            out["moe/sampler_route_flips"] = float(sampler[0] / sampler[1])
         if flips[2] > 0:
             out["moe/route_flips"] = float(flips[0] / flips[2])
             out["moe/route_flips_own"] = float(flips[1] / flips[2])
@@ -257,6 +321,20 @@ def checkpoint_names(tensors: Iterator[tuple[str, torch.Tensor]], module: torch.
 
     for name, tensor in tensors:
         yield from revert_weight_conversion(module, {name: tensor}).items()
+
+
+def checkpoint_slots(module: torch.nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+    """checkpoint_names inverted: for each checkpoint name of the module's weights that is not
+    a parameter's own, (parameter name, the flat indices of the parameter it fills). The
+    conversion only rearranges elements, so running it over each parameter's element indices
+    says where every element of a per-expert tensor goes."""
+    slots = {}
+    for name, param in module.named_parameters():
+        index = torch.arange(param.numel()).view(param.shape)
+        for converted, where in checkpoint_names([(name, index)], module):
+            if converted != name:
+                slots[converted] = (name, where)
+    return slots
 
 
 def routing_of(model) -> Optional[Routing]:

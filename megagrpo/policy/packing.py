@@ -25,6 +25,7 @@ class PackedRows:
     cols: torch.Tensor           # (K,) column of each completion token in the (B, C) layout
     order: list                  # the sequences' indices in the order they lie in the flattened rows
     real: torch.Tensor           # (R, W) bool, False on the rows' padding
+    starts: list                 # per sequence (by index), the flat position in (R * W) of its first token
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]],
@@ -50,6 +51,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
     position_ids = torch.zeros((len(bins), width), dtype=torch.long)
     real = torch.zeros((len(bins), width), dtype=torch.bool)
     predict_at, targets, rows, cols, order = [], [], [], [], []
+    starts = [0] * len(lengths)
     for r, members in enumerate(bins):
         offset = 0
         for seq in sorted(members):
@@ -59,6 +61,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
             input_ids[r, offset:offset + n] = torch.tensor(prompt + completion)
             position_ids[r, offset:offset + n] = torch.arange(n)
             real[r, offset:offset + n] = True
+            starts[seq] = r * width + offset
             start = r * width + offset + len(prompt) - 1
             predict_at.extend(range(start, start + len(completion)))
             targets.extend(completion)
@@ -69,7 +72,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
     as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
     return PackedRows(input_ids=input_ids, position_ids=position_ids,
                       predict_at=as_long(predict_at), targets=as_long(targets),
-                      rows=as_long(rows), cols=as_long(cols), order=order, real=real)
+                      rows=as_long(rows), cols=as_long(cols), order=order, real=real, starts=starts)
 
 
 def balanced_microbatches(lengths: list[int], max_tokens: int, min_count: int = 1) -> list[list[int]]:

@@ -54,15 +54,26 @@ class ZeroPolicy(Policy):
         if self.deepspeed.zero_stage != 3:
             from deepspeed.accelerator import get_accelerator
             model = load_model(self.cfg, self.deepspeed, self.sp).eval().requires_grad_(False)
+            self._reference_routing(model)
             return model.to(get_accelerator().current_device_name())
         settings = self.deepspeed.for_frozen_model(zero3=True, offload=self.cfg.model.ref_offload)
         model = load_model(self.cfg, settings, self.sp).eval()
         # frozen after initialize: AutoTP registers gradient hooks on replicated parameters that
         # see split activations (Qwen3's q/k norms), and a frozen tensor refuses a hook
+        expert_parallel = self.cfg.parallel.expert_parallel_size > 1
+        if not expert_parallel:
+            self._reference_routing(model)
         engine, _, _, _ = deepspeed.initialize(model=model, config=settings.config, mpu=self.topo.deepspeed_mpu)
         engine.module.requires_grad_(False)
         engine.eval()
+        if expert_parallel:
+            self._reference_routing(engine.module)
         return engine
+
+    def _reference_routing(self, model) -> None:
+        """Under routing replay R3 the reference scores through the sampler's experts too."""
+        if self.cfg.rollout.routing_replay == "r3":
+            attach_routing(model)
 
     def _forward(self, model, mb: RolloutBatch):
         return completion_logprobs(model, mb, self.cfg.rollout.temperature, self.g.packing,
@@ -91,6 +102,8 @@ class ZeroPolicy(Policy):
                     out[torch.tensor(rows)[:, None], torch.arange(logp.shape[1])[None, :]] = logp
                 if record_routes and self.routing is not None:
                     self.old_routes.append(self.routing.recorded())
+                    if rows:
+                        self.routing.count_sampler_flips()
         return out
 
     def optimize(self, batch, micro_batches) -> dict:
@@ -98,7 +111,8 @@ class ZeroPolicy(Policy):
         self.engine.train()
         grad_norm = None
         if self.routing is not None:  # routing replay R2, load counts, the load-balancing loss
-            self.routing.begin_step(self.old_routes, self.cfg.rollout.routing_replay == "r2",
+            # the old-policy pass's routes hold the sampler's under R3
+            self.routing.begin_step(self.old_routes, self.cfg.rollout.routing_replay in ("r2", "r3"),
                                     self.cfg.model.router_aux_loss_coef)
             self.old_routes = []  # this step's: no later step compares with them
         for passed in range(self.g.num_iterations):
@@ -112,6 +126,8 @@ class ZeroPolicy(Policy):
                 logp, entropy = self._forward(self.engine, mb)
                 inputs = LossInputs(mb.completion_mask, mb.advantages, mb.sampler_logp, mb.old_logp, mb.ref_logp)
                 loss = micro_batch_loss(self.g, logp, entropy, inputs, normalisers, share, stats if rows else None)
+                if self.routing is not None and passed == 0 and rows and not self.routing.old:
+                    self.routing.count_sampler_flips()  # R3 with no old-policy pass: the first forward at these weights
                 if self.routing is not None:
                     loss = loss + self.routing.after_update(i, passed, share / len(micro_batches))
                 self.engine.backward(loss, scale_wrt_gas=False)

@@ -142,6 +142,8 @@ class AgentLoop:
         t.model_mask += [1] * len(c.token_ids)
         if c.versions is not None:  # (partial rollouts) the weights that sampled each token
             t.versions = (t.versions or []) + c.versions
+        if c.routes is not None:  # (routing replay r3) this turn's request fed the whole trajectory so far
+            t.routes = c.routes
         t.turns += 1
         text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         run.calls = [] if c.truncated else self.parse(self.tokenizer.decode(c.token_ids, skip_special_tokens=False))

@@ -31,6 +31,7 @@ from megagrpo.config.schema import Config
 from megagrpo.console import on_terminal
 from megagrpo.multimodal.processor import join_image_tensors
 from megagrpo.policy.batch import Completion
+from megagrpo.policy.moe import attach_routing, checkpoint_slots
 from megagrpo.rollout.vllm_models import refresh_after_reload, skip_input_embedding_prepack
 from megagrpo.rollout.vllm_settings import vllm_settings
 
@@ -101,7 +102,8 @@ class VLLMGenerator:
             _check_expansion(ids, out.prompt_token_ids)
         return [[Completion(token_ids=list(c.token_ids),
                             logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
-                            truncated=c.finish_reason == "length")
+                            truncated=c.finish_reason == "length",
+                            routes=c.routed_experts)  # (routing replay r3 on GPU) [tokens - 1, layers, k]
                  for c in out.outputs] for out in outputs]
 
     def logprobs(self, requests: list[tuple]) -> list[list[float]]:
@@ -230,6 +232,9 @@ class HFGenerator:
         tokenizer = load_tokenizer(model_path)
         self.pad_id, self.eos_id, self.tokenizer = tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer
         self.device = device
+        # an MoE model's routes, recorded for routing replay r3 (policy/moe.py)
+        self.routing = attach_routing(self.model) if self.cfg.routing_replay == "r3" else None
+        self.expert_slots = None  # checkpoint name -> where in which parameter (an MoE model's experts)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, seeds: list[int], greedy: bool = False,
@@ -247,6 +252,8 @@ class HFGenerator:
                                  device=self.device)
         mask = (torch.arange(width, device=self.device)[None, :] >=
                 torch.tensor([width - len(ids) for ids in rows], device=self.device)[:, None]).long()
+        if self.routing is not None:
+            self.routing.trace = []
         with torch.random.fork_rng(devices=[self.device] if _on_gpu() else []):
             torch.manual_seed(hash(tuple(seeds)) % 2**63)
             out = self.model.generate(
@@ -260,6 +267,7 @@ class HFGenerator:
         temperature = 1.0 if greedy else r.temperature
         logprobs = torch.stack(out.logits, dim=1).float().div(temperature).log_softmax(-1)
         token_logprobs = logprobs.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+        routes = self._traced_routes(len(rows), width)
         completions = []
         for row in range(len(rows)):
             ids = generated[row, :caps[row]].tolist()
@@ -271,8 +279,17 @@ class HFGenerator:
                     end -= 1
             completions.append(Completion(
                 token_ids=ids[:end], logprobs=token_logprobs[row, :end].tolist(),
-                truncated=self.eos_id not in ids[:end] and end == caps[row]))
+                truncated=self.eos_id not in ids[:end] and end == caps[row],
+                routes=None if routes is None else routes[row, width - len(rows[row]):width + end - 1].numpy()))
         return [completions[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
+
+    def _traced_routes(self, batch: int, width: int):
+        """(routing replay r3) the routes of the generate just run, (batch, columns, layers, k):
+        its first forward fed the `width` prompt columns, each later one a sampled token."""
+        if self.routing is None:
+            return None
+        trace, self.routing.trace = self.routing.trace, None
+        return torch.cat([step.view(batch, -1, *step.shape[1:]) for step in trace], dim=1)
 
     def _images(self, visions: list) -> dict:
         return join_image_tensors(visions, self.model.config.model_type, self.model.dtype, self.device)
@@ -292,7 +309,13 @@ class HFGenerator:
                      step: int = 0) -> None:
         params = dict(self.model.named_parameters())
         for name, tensor in named_tensors:
-            params[name].data.copy_(tensor)
+            if name in params:
+                params[name].data.copy_(tensor)
+                continue
+            if self.expert_slots is None:  # the stream names an MoE model's experts one by one
+                self.expert_slots = checkpoint_slots(self.model)
+            param, index = self.expert_slots[name]
+            params[param].data.view(-1)[index.reshape(-1)] = tensor.reshape(-1).to(params[param].dtype)
 
     def sleep(self) -> None:
         pass

@@ -9,7 +9,8 @@ command-line flags).
 """
 from __future__ import annotations
 
-from megagrpo.config.schema import Config, max_sequence_length
+from megagrpo.config.schema import Config, ConfigError, max_sequence_length
+from megagrpo.policy.moe import is_moe_folder
 
 
 def vllm_settings(cfg: Config, model: str, seed: int, generator_tp: int, on_gpu: bool) -> dict:
@@ -21,6 +22,14 @@ def vllm_settings(cfg: Config, model: str, seed: int, generator_tp: int, on_gpu:
                 # multi-turn rollouts send each trajectory's growing prefix again every turn
                 "enable_prefix_caching": r.max_turns > 1,
                 "gpu_memory_utilization": r.gpu_memory_utilization}
+    if r.routing_replay == "r3" and is_moe_folder(model):  # the sampler's routes with each completion
+        if not on_gpu:
+            raise ConfigError(
+                "rollout.routing_replay: r3 needs the sampler's routes, which vLLM 0.32 returns "
+                "(enable_return_routed_experts) only under its Model Runner V2, which needs Triton on a GPU: not on "
+                "the CPU build. Use r2, or rollout.engine: hf (transformers' sampler records its routes; docs/moe.md)")
+        # vLLM keeps the routes beside the KV cache's blocks, and needs prefix caching for that
+        settings.update(enable_return_routed_experts=True, enable_prefix_caching=True)
     if not on_gpu:
         settings.update(
             enforce_eager=True,
