@@ -4,16 +4,16 @@ tools/make_tiny_model.py --arch (8 experts, top 2), trained with vLLM co-located
 Each trains 2 steps of 2 update passes (routing replay R2, 32 completions a step) on one rank
 and on 2 ranks with ep 2 and ZeRO-3 (DeepSpeed's AutoEP: each rank holds 4 experts per layer,
 tokens go to them by all-to-all over gloo); Qwen3-MoE also on dp 2 with ZeRO-3 (its experts
-partitioned), ep 2 with ZeRO-1, and dp 2 x ep 2 on 4 ranks (2 copies of each expert). Each is
-held to the one-rank run: the losses and gradient norms, the parameters after 2 steps, vLLM's
-log-probs after each sync (whose experts are reloaded under their per-expert checkpoint names).
-`convert to-hf` of the ep 2 checkpoint (the ranks' expert shards joined) equals its export; the
-ep 2 checkpoint resumes on one rank (ep 1) into the one-rank run's step 3. The one-rank
-Qwen3-MoE run is repeated without replay: the routes of the update after an optimizer step
-differ from the old-policy pass's there, and with R2 they do not, while the routers' own choice
-moved as much. (The load-balancing loss is on in that run only: computed per micro-batch, as
-transformers computes it per forward, it is not the same sum over other micro-batches, so runs
-with it on differ across layouts.)"""
+partitioned; vLLM at tp 2 there), ep 2 with ZeRO-1, and dp 2 x ep 2 on 4 ranks (2 copies of each
+expert). Each is held to the one-rank run: the losses and gradient norms, the parameters after 2
+steps, vLLM's log-probs after each sync (whose experts are reloaded under their per-expert
+checkpoint names). `convert to-hf` of the ep 2 checkpoint (the ranks' expert shards joined)
+equals its export; the ep 2 checkpoint resumes on one rank (ep 1) into the one-rank run's step
+3. The one-rank Qwen3-MoE run is repeated without replay: the routes of the update after an
+optimizer step differ from the old-policy pass's there, and with R2 they do not, while the
+routers' own choice moved as much. (The load-balancing loss is on in that run only: computed per
+micro-batch, as transformers computes it per forward, it is not the same sum over other micro-
+batches, so runs with it on differ across layouts.)"""
 import json
 import os
 import shutil
@@ -83,7 +83,9 @@ def test_moe_layouts_equal_one_rank_and_replay_holds_the_routes(tiny, models, tm
     layouts = {"ep2_zero3": train(tiny, tmp_path, "ep2_zero3", *two, "deepspeed=configs/ds_zero3.json",
                                   "parallel.expert_parallel_size=2")}
     if arch == "qwen3_moe":
-        layouts["dp2_zero3"] = train(tiny, tmp_path, "dp2_zero3", *two, "deepspeed=configs/ds_zero3.json")
+        # vLLM tp 2 as well: one engine over both ranks, each expert sliced in two
+        layouts["dp2_zero3"] = train(tiny, tmp_path, "dp2_zero3", *two, "deepspeed=configs/ds_zero3.json",
+                                     "rollout.tensor_parallel_size=2")
         layouts["ep2_zero1"] = train(tiny, tmp_path, "ep2_zero1", *two, "deepspeed=configs/ds_zero1.json",
                                      "parallel.expert_parallel_size=2")
         # 4 ranks: dp 4 for the dense weights, 2 copies of each expert (their gradients averaged)
