@@ -36,6 +36,7 @@ from megagrpo.rollout.agent import AgentLoop, agent_metrics, answer_texts, compl
 from megagrpo.rollout.ahead import RolloutsAhead
 from megagrpo.rollout.generator_group import GeneratorGroup
 from megagrpo.rollout.generators import build_generator, sampling_seed
+from megagrpo.rollout.outside_agents import OutsideAgents, uses_outside_agent
 from megagrpo.rollout.tools import Toolset
 
 
@@ -109,6 +110,8 @@ class RolloutStack:
         self.group = GeneratorGroup(topology, build_generator(self.cfg, seed=seed))
         if self.toolset:
             self.group.agent = AgentLoop(self.cfg, self.group, self.tokenizer, self.toolset)
+        elif uses_outside_agent(self.cfg):  # agent programs of the user's, through the endpoint
+            self.group.agent = OutsideAgents(self.cfg, self.group.generator, self.tokenizer)
         r = self.cfg.rollout
         if prompt_order is not None and r.max_staleness:
             self.ahead = RolloutsAhead(prompt_order.next_indices, self._sample_ahead, r.max_staleness, total_steps,
@@ -149,6 +152,8 @@ class RolloutStack:
         out = self.ahead.metrics() if self.ahead is not None else {}
         if self.agent is not None:
             out.update(agent_metrics(completions, self.agent.tool_wall_seconds, self.topology.dp_group))
+        if isinstance(self.agent, OutsideAgents):
+            out.update(self.agent.metrics(self.topology.dp_group))
         return out
 
     def _sample_ahead(self, step: int, indices: list) -> Optional[list]:
@@ -195,6 +200,8 @@ class RolloutStack:
             self.generator.close()
         if self.toolset:
             self.toolset.close()
+        if isinstance(self.agent, OutsideAgents):
+            self.agent.close()
 
 
 def build_rollout_stack(cfg: Config, training: bool = True) -> RolloutStack:
@@ -202,7 +209,7 @@ def build_rollout_stack(cfg: Config, training: bool = True) -> RolloutStack:
     (`megagrpo eval` reads data.eval_file only)."""
     data = cfg.data
     tokenizer = load_tokenizer(cfg.model.name_or_path)
-    toolset = Toolset(cfg) if cfg.rollout.max_turns > 1 else None
+    toolset = Toolset(cfg) if cfg.rollout.max_turns > 1 and not uses_outside_agent(cfg) else None
     tools = toolset.schemas if toolset else None
     processor = load_processor(cfg.model.name_or_path) if is_vision_language(cfg.model.name_or_path) else None
 

@@ -180,7 +180,10 @@ class Trainer:
     def make_batch(self, sampled: SampledGroups, advantages: torch.Tensor):
         """The step's batch on this rank's device (policy/batch.py); truncated completions masked
         out of the loss with grpo.mask_truncated_completions."""
-        batch = make_batch([p.token_ids for p in sampled.prompts], sampled.completions, advantages,
+        # an outside agent's episode brings its own first request as its prompt
+        prompt_ids = [getattr(c, "prompt_ids", None) or p.token_ids
+                      for p, c in zip(sampled.prompts, sampled.completions)]
+        batch = make_batch(prompt_ids, sampled.completions, advantages,
                            self.tokenizer.pad_token_id, [p.vision for p in sampled.prompts]).to(self.device)
         if self.cfg.grpo.mask_truncated_completions:
             batch.completion_mask = batch.completion_mask * (~batch.truncated).unsqueeze(1).float()

@@ -15,6 +15,7 @@ from megagrpo.metrics import check_report_to
 from megagrpo.policy.lora import check_lora
 from megagrpo.policy.moe import check_moe
 from megagrpo.rewards import check_reward_names
+from megagrpo.rollout.outside_agents import check_outside_agent
 from megagrpo.rollout.tools import check_tools
 
 
@@ -29,7 +30,9 @@ def validate(cfg: Config, training: bool = True, planning: bool = False) -> Gene
     check_doctor(cfg.doctor)
     check_reward_names(cfg.rewards.functions)
     check_tools(cfg)
-    return check_layout(cfg)
+    layout = check_layout(cfg)
+    check_outside_agent(cfg, layout.ranks_per_group)
+    return layout
 
 
 def load_config(path: Optional[str], overrides: list[str] = (), training: bool = True,

@@ -338,7 +338,8 @@ class RolloutConfig:
     max_turns: int = 1
     """Model turns per trajectory. 1: single-turn completions (no tools). > 1: the model may
     call tools (rollout.tools, rollout.environment) and continues after their results until a
-    turn without a tool call, max_turns, or the token budget (max_model_len)."""
+    turn without a tool call, max_turns, or the token budget (max_model_len). With
+    rollout.agent: the model calls one episode may make."""
     tools: list[ToolConfig] = field(default_factory=list)
     """Tools offered to the model (rendered by the chat template), e.g. [{name: python},
     {name: my_pkg.tools:lookup}]; needs max_turns > 1."""
@@ -356,6 +357,25 @@ class RolloutConfig:
     """Calls beyond this in one turn are not run; each gets an error message."""
     tool_workers: int = 2
     """Sandboxed python calls running at once (per rank)."""
+    agent: Optional[str] = None
+    """module:function of an agent program megagrpo did not write, run once per episode and
+    generating through megagrpo's OpenAI-compatible endpoint: called as fn(base_url=,
+    api_key=, model=, task=) in a thread; it returns the episode's result (a number or
+    {"reward": number}, for the `agent` reward). rollout.max_turns caps its model calls
+    (docs/agents.md)."""
+    agent_command: Optional[str] = None
+    """A command run once per episode instead of rollout.agent, e.g. "python my_agent.py": it
+    gets OPENAI_BASE_URL, OPENAI_API_KEY, MEGAGRPO_MODEL and MEGAGRPO_TASK (JSON; also on
+    stdin), and its last line of output is its result."""
+    agent_timeout_s: float = 300.0
+    """An episode's program running longer fails (scores 0, reason "timeout"); a command is killed."""
+    agent_concurrency: int = 64
+    """Episodes running at once per rank; their requests reach the generator in one batch."""
+    agent_batch_window_s: float = 0.05
+    """The longest a request waits for the other running episodes' requests before the batch
+    goes to the generator (it goes at once when every running episode has one in)."""
+    agent_model_name: str = "policy"
+    """The model name the endpoint serves; a request for any other gets OpenAI's 404."""
 
 
 @dataclass
@@ -363,7 +383,7 @@ class RewardFunctionConfig:
     """One reward function of the weighted sum."""
 
     name: str = ""
-    """Built-in name (answer_match, format, length_penalty, environment, customer_service, math_accuracy,
+    """Built-in name (answer_match, format, length_penalty, environment, agent, customer_service, math_accuracy,
     think_answer_format, overlong_penalty, code, reward_model) or dotted path module:function."""
     weight: float = 1.0
     """Weight of this function in the summed reward."""

@@ -84,6 +84,10 @@ def check_config(cfg: Config, training: bool = True, planning: bool = False) -> 
     require(not any(fn.name == "environment" for fn in cfg.rewards.functions) or bool(cfg.rollout.environment),
             "rewards.functions: the 'environment' reward reads the get_reward() of rollout.environment, "
             "which is not set; set rollout.environment=module:Class or remove the reward")
+    require(not any(fn.name == "agent" for fn in cfg.rewards.functions) or bool(cfg.rollout.agent
+                                                                                or cfg.rollout.agent_command),
+            "rewards.functions: the 'agent' reward is an outside agent's result, and neither rollout.agent nor "
+            "rollout.agent_command is set; set one or remove the reward")
     if isinstance(cfg.deepspeed, str):
         require(os.path.isfile(cfg.deepspeed),
                  f"deepspeed: file '{cfg.deepspeed}' does not exist; use one of configs/ds_*.json "

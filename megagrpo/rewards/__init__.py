@@ -83,7 +83,16 @@ def environment_reward(prompts, completions, environment_reward=None, **_) -> li
     return [float(v) for v in environment_reward]
 
 
+def agent_reward(prompts, completions, agent_reward=None, **_) -> list[float]:
+    """An outside agent's result per episode (rollout.agent; rollout/outside_agents.py): 0 for
+    an episode that failed or whose program returned no number."""
+    if agent_reward is None:
+        raise ValueError("the 'agent' reward needs rollout.agent or rollout.agent_command")
+    return [0.0 if v is None else float(v) for v in agent_reward]
+
+
 BUILTINS: dict[str, Callable] = {
+    "agent": agent_reward,
     "answer_match": answer_match,
     "environment": environment_reward,
     "format": format_match,

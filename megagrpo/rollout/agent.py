@@ -39,6 +39,11 @@ class Trajectory(Completion):
     tool_seconds: float = 0.0
     ended_by: str = ""                             # one of ENDINGS once it has ended
     environment_reward: Optional[float] = None
+    # an outside agent's episode (rollout/outside_agents.py):
+    prompt_ids: Optional[list] = None              # its own first request, rendered (None: the data row's prompt)
+    agent_reward: Optional[float] = None           # the agent program's result
+    failure: str = ""                              # why the episode failed (it then scores 0)
+    prefix_mismatches: int = 0                     # requests that re-rendered earlier turns otherwise
 
 
 class ToolMessageRenderer:
@@ -225,13 +230,15 @@ def answer_texts(completions: list, tokenizer) -> list[str]:
 def completion_fields(completions: list, max_new_tokens: int) -> dict:
     """The reward fields that come from the completions: completion_length (sampled tokens)
     and max_new_tokens; for trajectories also messages (the whole conversation: prompt,
-    assistant turns with their tool_calls, tool results) and environment_reward."""
+    assistant turns with their tool_calls, tool results), environment_reward and agent_reward
+    (an outside agent's result)."""
     fields = {"completion_length": [len(c.token_ids) if c.model_mask is None else sum(c.model_mask)
                                     for c in completions],
               "max_new_tokens": [max_new_tokens] * len(completions)}
     if completions and isinstance(completions[0], Trajectory):
         fields["messages"] = [t.messages for t in completions]
         fields["environment_reward"] = [t.environment_reward for t in completions]
+        fields["agent_reward"] = [t.agent_reward for t in completions]
     return fields
 
 

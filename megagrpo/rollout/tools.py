@@ -237,7 +237,7 @@ def check_tools(cfg) -> None:
     if agentic and r.max_turns < 2:
         raise ConfigError(f"rollout.max_turns: {r.max_turns} leaves no turn to read a tool's result; set "
                           "rollout.max_turns >= 2 with rollout.tools or rollout.environment")
-    if r.max_turns > 1 and not agentic:
+    if r.max_turns > 1 and not agentic and not (r.agent or r.agent_command):
         raise ConfigError(f"rollout.max_turns: {r.max_turns} needs rollout.tools or rollout.environment "
                           "(a turn continues only after tool calls), e.g. rollout.tools=[python]")
     for key in ("tool_timeout_s", "max_tool_response_tokens", "max_tool_calls_per_turn", "tool_workers"):

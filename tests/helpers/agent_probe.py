@@ -54,7 +54,9 @@ def main():
     n = cfg.grpo.num_generations
     groups = trainer.stack.generate(prompts, n, [sampling_seed(cfg.grpo.seed, trainer.step, i) for i in indices])
     trajectories = [t for group in groups for t in group]
-    batch = make_batch([p.token_ids for p in prompts for _ in range(n)], trajectories,
+    # an outside agent's episode has its own first request as its prompt
+    rows = [p for p in prompts for _ in range(n)]
+    batch = make_batch([t.prompt_ids or p.token_ids for p, t in zip(rows, trajectories)], trajectories,
                        torch.zeros(len(trajectories)), trainer.tokenizer.pad_token_id)
     trainer.policy.engine.eval()
     with torch.no_grad():
@@ -63,6 +65,7 @@ def main():
     rows = [{"prompt": p, "completion": c, "mask": batch.completion_mask[i, :len(c)].tolist(),
              "messages": t.messages, "ended_by": t.ended_by, "turns": t.turns, "tool_calls": t.tool_calls,
              "tool_errors": t.tool_errors, "environment_reward": t.environment_reward,
+             "agent_reward": t.agent_reward, "failure": t.failure, "prefix_mismatches": t.prefix_mismatches,
              "trainer_logp": trainer_logp[i, :len(c)].tolist(), "sampler_logp": batch.sampler_logp[i, :len(c)].tolist()}
             for i, (p, c, t) in enumerate(zip(prompt_ids, completion_ids, trajectories))]
     result = {"steps": metrics, "calls": calls if topology.samples_rollout else [], "rows": rows,
