@@ -62,7 +62,7 @@ def test_crashing_hanging_and_silent_agents_end_their_episodes_and_the_run_goes_
     out, errors = tmp_path / "chaos", tmp_path / "errors.jsonl"
     overrides = tiny_overrides(tiny, out) + AGENT + [
         f"rollout.agent_command={sys.executable} tests/helpers/openai_tool_agent.py chaos",
-        "rollout.agent_timeout_s=5", "grpo.max_steps=2", "checkpoint.save_steps=0"]
+        "rollout.agent_timeout_s=12", "grpo.max_steps=2", "checkpoint.save_steps=0"]
     run([PYTHON, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml", *overrides],
         env={**HELPERS, "AGENT_ERRORS": str(errors)}, timeout=600)
     for kind in ("crash", "timeout", "no_model_call"):  # 16 episodes a step, each fate every 5th

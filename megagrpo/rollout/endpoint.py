@@ -90,7 +90,7 @@ class Endpoint:
         self.max_len, self.max_new_tokens, self.max_calls = max_len, max_new_tokens, max_calls
         self.renderer = ToolMessageRenderer(tokenizer, max_len)  # an agent's own messages are not cut
         self.episodes: dict[str, Episode] = {}
-        self.server = ThreadingHTTPServer((host, 0), _Handler)
+        self.server = _Server((host, 0), _Handler)
         self.server.daemon_threads = True
         self.server.endpoint = self
         threading.Thread(target=self.server.serve_forever, name="endpoint", daemon=True).start()
@@ -214,6 +214,11 @@ def _stream(reply: dict, chat: bool, request: dict) -> list[dict]:
     if (request.get("stream_options") or {}).get("include_usage"):
         chunks.append({**base, "choices": [], "usage": reply["usage"]})
     return chunks
+
+
+class _Server(ThreadingHTTPServer):
+    # socketserver's default backlog (5) refused connections when 64 agents called at once
+    request_queue_size = 1024
 
 
 class _Handler(BaseHTTPRequestHandler):

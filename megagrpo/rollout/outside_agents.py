@@ -92,8 +92,9 @@ def episode_result(value) -> Optional[float]:
 class OutsideAgents:
     """A step's episodes, run concurrently against one endpoint and one generator."""
 
-    def __init__(self, cfg: Config, generator, tokenizer):
+    def __init__(self, cfg: Config, generator, tokenizer, log=lambda line: print(f"[megagrpo] {line}", flush=True)):
         r = cfg.rollout
+        self.log, self.reported = log, set()  # each distinct failure is printed once
         self.cfg, self.generator, self.greedy = r, generator, False
         self.program = resolve_dotted(r.agent, "rollout.agent") if r.agent else None
         self.command = shlex.split(r.agent_command) if r.agent_command else None
@@ -120,6 +121,10 @@ class OutsideAgents:
                                 thread_name_prefix="agent") as pool:
             results = list(pool.map(self._run, episodes))
         self.last = [(e, failure, seconds) for e, (_, failure, seconds) in zip(episodes, results)]
+        for failure in dict.fromkeys(f for _, f, _ in self.last if f and f not in self.reported):
+            self.reported.add(failure)
+            count = sum(f == failure for _, f, _ in self.last)
+            self.log(f"agent episodes failed ({count} of {len(episodes)} this step; scored 0): {failure}")
         trajectories = [e.trajectory(reward, failure) for e, (reward, failure, _) in zip(episodes, results)]
         return [trajectories[i * n:(i + 1) * n] for i in range(len(prompts))]
 
