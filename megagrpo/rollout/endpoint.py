@@ -223,6 +223,9 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # headers and body go out as two writes: the body must not wait for the client's ACK of the
+    # headers (Nagle's algorithm against a delayed ACK)
+    disable_nagle_algorithm = True
 
     def do_GET(self):  # noqa: N802 (http.server's names)
         self._serve("GET")

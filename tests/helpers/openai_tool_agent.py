@@ -59,6 +59,15 @@ def run_python(code: str) -> str:
         return f"Error: {e}\n"
 
 
+def python(code: str) -> str:
+    """Run a Python program in a sandbox and return what it prints (or its error).
+
+    Args:
+        code: the program; print the result
+    """
+    return run_python(code)  # the same tool as a megagrpo function tool, for bench/outside_agents.py
+
+
 def solve(base_url: str, api_key: str, model: str, task: dict, mode: str = "") -> dict:
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
     messages, answer = list(task["messages"]), ""
