@@ -128,6 +128,43 @@ def test_the_endpoint_through_the_sdk_in_process(tiny, tmp_path):
         agents.close()
 
 
+def test_a_pydantic_ai_agent_through_the_endpoint_keeps_the_sampled_tokens(tiny, tmp_path):
+    """An agent framework people use (pydantic-ai, its OpenAI model pointed at the endpoint) on
+    transformers' sampler in process: every episode ends without failure, some call the tool,
+    and each trajectory is the ids the engine returned turn by turn with the tool results
+    inserted; pydantic-ai sends the conversation back as it was returned (no mismatch)."""
+    from megagrpo.data import load_prompts
+    from megagrpo.policy.models import load_tokenizer
+    from megagrpo.rollout.generators import HFGenerator
+    from megagrpo.rollout.outside_agents import OutsideAgents
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
+    cfg = load_config("configs/tiny_arith.yaml", tiny_overrides(tiny, tmp_path) + AGENT + [
+        "rollout.engine=hf", "rollout.agent=pydantic_ai_agent:solve",
+        "rollout.tool_call_parser=pydantic_ai_agent:python_on_some_turns"])
+    tokenizer = load_tokenizer(tiny["warm"])
+    engine = HFGenerator(cfg, tiny["warm"], 0)
+    calls, generate = [], engine.generate
+
+    def recording_generate(prompt_ids, n, seeds, greedy=False, max_tokens=None):
+        out = generate(prompt_ids, n=n, seeds=seeds, greedy=greedy, max_tokens=max_tokens)
+        calls.append({"inputs": prompt_ids, "outputs": [[{"ids": c.token_ids, "logprobs": c.logprobs} for c in group]
+                                                        for group in out]})
+        return out
+
+    engine.generate = recording_generate
+    agents = OutsideAgents(cfg, engine, tokenizer)
+    try:
+        prompts = load_prompts(cfg.data.train_file, tokenizer, 64)[0][:8]
+        episodes = [t for group in agents.generate(prompts, n=2, seeds=list(range(8))) for t in group]
+    finally:
+        agents.close()
+    assert all(t.failure == "" and t.prefix_mismatches == 0 for t in episodes), [t.failure for t in episodes]
+    rows = [{"prompt": t.prompt_ids, "completion": t.token_ids, "mask": [float(m) for m in t.model_mask],
+             "sampler_logp": t.logprobs, "turns": t.turns} for t in episodes]
+    assert _check_rows({"calls": calls, "rows": rows}, tokenizer) >= 1  # some episodes called the tool
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["rollout.agent=openai_tool_agent:solve", "rollout.agent_command=python x.py"], "both set"),
     (["rollout.agent=openai_tool_agent:solve", "rollout.tools=[python]", "rollout.max_turns=3"], "its own tools"),
