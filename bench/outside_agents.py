@@ -26,6 +26,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from agentic_rollout import force_python  # noqa: E402,F401 (registers the bench parser, bench_force_python)
 
 from megagrpo.cluster.distributed import init_distributed  # noqa: E402
 from megagrpo.config.schema import Config, DataConfig, ModelConfig, RolloutConfig, ToolConfig  # noqa: E402
@@ -37,14 +40,6 @@ from megagrpo.rollout.episodes import Episode  # noqa: E402
 from megagrpo.rollout.generator_group import GeneratorGroup  # noqa: E402
 from megagrpo.rollout.generators import VLLMGenerator  # noqa: E402
 from megagrpo.rollout.outside_agents import OutsideAgents  # noqa: E402
-
-
-def force_python(text: str):
-    return tools.hermes('<tool_call>{"name": "python", "arguments": {"code": "print(%d * 7)"}}</tool_call>'
-                        % len(text))
-
-
-tools.PARSERS["bench_force_python"] = force_python
 
 
 def config(args, **rollout) -> Config:

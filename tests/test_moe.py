@@ -12,8 +12,8 @@ equals its export; the ep 2 checkpoint resumes on one rank (ep 1) into the one-r
 3. The one-rank Qwen3-MoE run is repeated without replay: the routes of the update after an
 optimizer step differ from the old-policy pass's there, and with R2 they do not, while the
 routers' own choice moved as much. (The load-balancing loss is on in that run only: computed per
-micro-batch, as transformers computes it per forward, it is not the same sum over other micro-
-batches, so runs with it on differ across layouts.)"""
+micro-batch, as transformers computes it per forward, it is not the same sum over other
+micro-batches, so runs with it on differ across layouts.)"""
 import json
 import os
 import shutil

@@ -175,8 +175,9 @@ class Routing:
         """Replay the sampler's routes (R3) in the next forwards: routes[i] ((T, layers, k), the
         sampler's experts for the first T tokens of sequence i, or None), laid out at the flat
         positions starts[i]..starts[i]+T-1 of a forward over `positions` tokens. Tokens the
-        sampler never fed (a sequence's last token, padding) keep the router's own choice."""
-        if routes is None:
+        sampler never fed (a sequence's last token, padding) keep the router's own choice.
+        Under R2's replay (set by before_update) they are not laid out: that replay wins."""
+        if routes is None or self.replay is not None:
             self.sampler = None
             return
         replay = torch.zeros(positions, len(self.routers), self.top_k, dtype=self.route_dtype)

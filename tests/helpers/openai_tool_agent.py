@@ -28,6 +28,8 @@ import urllib.request
 from openai import OpenAI
 
 MAX_TURNS = 3
+# the agent's own copy of megagrpo's PYTHON_SCHEMA (rollout/tools.py), the tool the quickstart's warm start
+# learned: as a user's agent it imports nothing of megagrpo, and its processes start 0.3 s sooner for it
 PYTHON = {"type": "function", "function": {
     "name": "python",
     "description": "Run a Python program in a sandbox and return what it prints (or its error).",
