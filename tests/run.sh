@@ -5,7 +5,10 @@
 #   bash tests/run.sh -k swap -x      # any pytest arguments
 # Two pytest-xdist workers share the 2 cores (a file's tests run on one worker, the slowest files
 # first; a test marked `alone` runs with nothing beside it): MEGAGRPO_TEST_WORKERS=0 runs the
-# tests one at a time in this process.
+# tests one at a time in this process. The run's folder is MEGAGRPO_TEST_BASETEMP (default
+# /tmp/megagrpo-suite, emptied as the run starts): a passed test's own folder goes as it ends
+# (pytest.ini), the shared fixtures (the tiny model, the converted SmolLM2) stay for
+# tests/run_unprivileged.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install_system.sh
@@ -15,4 +18,4 @@ export PYTHONUNBUFFERED=1
 # node do (megagrpo/__init__.py sets it only where a launcher started several ranks)
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 exec .venv/bin/python -m pytest -v --durations=15 --timeout=900 -n "${MEGAGRPO_TEST_WORKERS:-2}" \
-  --dist loadfile --no-loadscope-reorder tests "$@"
+  --dist loadfile --no-loadscope-reorder --basetemp "${MEGAGRPO_TEST_BASETEMP:-/tmp/megagrpo-suite}" tests "$@"

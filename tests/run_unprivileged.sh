@@ -23,7 +23,7 @@ traversable .venv/bin/python
 mkdir -p .venv/torch_extensions && chmod -R o+rX . && chmod -R a+rwX .venv/torch_extensions
 su "$TEST_USER" -c "git config --global --add safe.directory '$(pwd)'"  # conftest's git status check
 # the tiny model and task of tests/run.sh's session, when there is one (building them takes a minute)
-TINY="" BUILT="$(ls -td /tmp/pytest-of-root/pytest-*/tiny 2>/dev/null | head -1 || true)"
+TINY="" BUILT="${MEGAGRPO_TEST_BASETEMP:-/tmp/megagrpo-suite}/tiny"
 if [ -n "$BUILT" ] && [ -f "$BUILT/warm/config.json" ]; then
   TINY="/tmp/megagrpo-unprivileged-tiny"
   rm -rf "$TINY" && cp -r "$BUILT" "$TINY" && chown -R "$TEST_USER" "$TINY"
