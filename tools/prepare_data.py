@@ -1,9 +1,11 @@
 """Write the data files the shipped real-model configs read (data/math/train.jsonl and
 data/math/test.jsonl): one {"prompt", "answer"} JSON object per line, the answer a bare number;
-or a reasoning-gym task's train and held-out files (--reasoning-gym, offline).
+or a reasoning-gym task's train and held-out files (--reasoning-gym, offline); or the boards of a
+TextArena game (--textarena, offline; docs/environments.md).
 
     python tools/prepare_data.py --reasoning-gym chain_sum --out data/chain_sum --train-size 2000 --eval-size 100
     python tools/prepare_data.py --reasoning-gym basic_arithmetic --task-args '{"max_terms": 3}' --out data/ba
+    python tools/prepare_data.py --textarena GuessTheNumber-v0 --out data/guess --train-size 256 --eval-size 32
     python tools/prepare_data.py --out data/math                      # GSM8K from the HF hub
     python tools/prepare_data.py --out data/math --train-file gsm8k_train.jsonl --test-file gsm8k_test.jsonl
     python tools/prepare_data.py --out data/math --train-file rows.parquet --test-size 200
@@ -22,6 +24,11 @@ so two seeds would share rows): the first --train-size rows train, the next ones
 and a held-out row that repeats a training question is dropped, so no held-out question is
 trained on. --instruction is appended to each prompt (default: how to state the final answer,
 which the reward's extraction rule reads).
+
+--textarena GAME writes train.jsonl and eval.jsonl of a TextArena game (the textarena extra):
+{"prompt", "seed"}, the prompt the game's opening board for the seed and how to play (the `move`
+tool of `rollout.environment: textarena:GAME`), the seed the one `reset` builds the same board
+from. Training rows take seeds --seed, --seed + 1, ...; the held-out rows the seeds after them.
 """
 import argparse
 import json
@@ -111,7 +118,7 @@ def write_reasoning_gym(args) -> int:
         return 2
     try:
         rows = reasoning_gym_rows(args.reasoning_gym, args.train_size + 2 * args.eval_size, args.seed, task_args,
-                                  args.instruction)
+                                  RG_INSTRUCTION if args.instruction is None else args.instruction)
     except (DataError, ReasoningGymError) as e:
         print(f"prepare_data: {e}", file=sys.stderr)
         return 2
@@ -123,6 +130,30 @@ def write_reasoning_gym(args) -> int:
         path = os.path.join(args.out, f"{name}.jsonl")
         write(path, rows)
         print(f"{path}: {len(rows)} rows of reasoning-gym's {args.reasoning_gym}")
+    return 0
+
+
+TA_INSTRUCTION = "Play the game with the move tool, one move per call, until it says the game is over."
+
+
+def write_textarena(args) -> int:
+    from megagrpo.config.schema import ConfigError
+    from megagrpo.hubs.textarena import environment_class, opening
+    try:
+        environment_class(args.textarena)  # a one-line error for a game TextArena lacks or cannot start
+    except ConfigError as e:
+        print(f"prepare_data: {e}", file=sys.stderr)
+        return 2
+    instruction = TA_INSTRUCTION if args.instruction is None else args.instruction
+    os.makedirs(args.out, exist_ok=True)
+    first = args.seed
+    for name, size in (("train", args.train_size), ("eval", args.eval_size)):
+        rows = [{"prompt": opening(args.textarena, seed) + ("\n\n" + instruction if instruction else ""),
+                 "seed": seed} for seed in range(first, first + size)]
+        first += size
+        path = os.path.join(args.out, f"{name}.jsonl")
+        write(path, rows)
+        print(f"{path}: {len(rows)} boards of TextArena's {args.textarena}")
     return 0
 
 
@@ -140,9 +171,15 @@ def main(argv=None) -> int:
     rg.add_argument("--train-size", type=int, default=2000, help="training rows (default 2000)")
     rg.add_argument("--eval-size", type=int, default=100, help="held-out rows (default 100)")
     rg.add_argument("--seed", type=int, default=0, help="the rows' seed (default 0)")
-    rg.add_argument("--instruction", default=RG_INSTRUCTION,
+    rg.add_argument("--instruction", default=None,
                     help=f"appended to each question (default {RG_INSTRUCTION!r}; '' for none)")
+    ta = p.add_argument_group("TextArena (the textarena extra; --train-size, --eval-size, --seed and "
+                              "--instruction apply too)")
+    ta.add_argument("--textarena", metavar="GAME", help=f"a TextArena game, e.g. GuessTheNumber-v0 (instruction "
+                                                         f"default {TA_INSTRUCTION!r})")
     args = p.parse_args(argv)
+    if args.textarena:
+        return write_textarena(args)
     if args.reasoning_gym:
         return write_reasoning_gym(args)
     try:

@@ -345,7 +345,8 @@ class RolloutConfig:
     {name: my_pkg.tools:lookup}]; needs max_turns > 1."""
     environment: Optional[str] = None
     """module:Class: one instance per trajectory; its public methods are tools; optional
-    reset(**row_fields), get_reward() (the `environment` reward) and close()."""
+    reset(**row_fields), get_reward() (the `environment` reward) and close(). Or a hub's
+    environment by name: textarena:GAME, e.g. textarena:GuessTheNumber-v0 (docs/environments.md)."""
     tool_call_parser: str = "hermes"
     """How tool calls are read from a turn: hermes (<tool_call>{"name", "arguments"}</tool_call>,
     Qwen/Hermes templates) or module:function(text) -> list of rollout.tools.ParsedCall."""

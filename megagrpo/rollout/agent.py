@@ -22,9 +22,9 @@ import torch
 
 from megagrpo.config.schema import max_sequence_length
 from megagrpo.policy.batch import Completion
-from megagrpo.rollout.tools import ERROR_KINDS, ToolRunner, Toolset, resolve_parser
+from megagrpo.rollout.tools import ERROR_KINDS, ToolRunner, Toolset, environment_failure, resolve_parser
 
-ENDINGS = ("answer", "max_turns", "budget")
+ENDINGS = ("answer", "max_turns", "budget", "environment_error")
 _PLACEHOLDER = "MEGAGRPOPLACEHOLDER{}X"  # stands for a text the template must not see
 
 
@@ -105,6 +105,7 @@ class AgentLoop:
         self.runner = ToolRunner(toolset, r.max_tool_calls_per_turn)
         self.renderer = ToolMessageRenderer(tokenizer, r.max_tool_response_tokens)
         self.tool_wall_seconds = 0.0  # of the last generate: time spent waiting for tools
+        self.reported: set[str] = set()  # environment failures already printed
 
     def generate(self, prompts: list, n: int, seeds: list[int], greedy: bool = False) -> list[list[Trajectory]]:
         """n trajectories per prompt (data.Prompt); trajectory j of prompt i samples its first
@@ -116,7 +117,7 @@ class AgentLoop:
         for prompt, group, seed in zip(prompts, first, seeds):
             runs = [_Running(Trajectory(token_ids=[], logprobs=[], truncated=False, model_mask=[],
                                         messages=list(prompt.messages)),
-                             prompt, (seed * 1_000_033 + j) % 2**31, self.toolset.new_environment(prompt.fields))
+                             prompt, (seed * 1_000_033 + j) % 2**31, *self.toolset.new_environment(prompt.fields))
                     for j in range(len(group))]
             for run, completion in zip(runs, group):
                 self._add_turn(run, completion)
@@ -159,7 +160,9 @@ class AgentLoop:
         t.messages.append(message)
         t.final_text = text
         run.ended_with_eos = bool(c.token_ids) and c.token_ids[-1] == self.tokenizer.eos_token_id
-        if c.truncated:
+        if run.failure:  # its environment did not start: the episode ends here, scored 0
+            t.ended_by, t.failure = "environment_error", run.failure
+        elif c.truncated:
             t.ended_by, t.truncated = "budget", True
         elif not run.calls:
             t.ended_by = "answer"
@@ -192,14 +195,31 @@ class AgentLoop:
             t.messages += shown
 
     def _finish(self, run: "_Running") -> None:
-        """At the trajectory's end: its environment's reward, then the environment is closed."""
-        if run.environment is not None:
-            get_reward = getattr(run.environment, "get_reward", None)
-            if callable(get_reward):
-                run.trajectory.environment_reward = float(get_reward())
-            close = getattr(run.environment, "close", None)
-            if callable(close):
+        """At the trajectory's end: its environment's reward, then the environment is closed. An
+        environment whose reset or get_reward raises scores its episode 0, with the reason; one
+        whose close raises keeps its reward. Either is printed once per reason; the run goes on."""
+        t = run.trajectory
+        if run.failure:
+            t.environment_reward = 0.0
+        environment = run.environment
+        get_reward = getattr(environment, "get_reward", None)
+        if callable(get_reward):
+            try:
+                t.environment_reward = float(get_reward())
+            except Exception as e:  # noqa: BLE001 - the environment's own failure
+                t.failure, t.environment_reward = environment_failure("get_reward", e), 0.0
+        self._report(t.failure)
+        close = getattr(environment, "close", None)
+        if callable(close):
+            try:
                 close()
+            except Exception as e:  # noqa: BLE001 - the environment's own failure
+                self._report(environment_failure("close", e) + " (its reward stands)")
+
+    def _report(self, failure: str) -> None:
+        if failure and failure not in self.reported:
+            self.reported.add(failure)
+            print(f"[megagrpo] an environment episode failed (each reason is printed once): {failure}", flush=True)
 
 
 @dataclass
@@ -210,6 +230,7 @@ class _Running:
     prompt: object                # its data.Prompt
     seed: int                     # its later turns' seeds derive from it
     environment: object = None    # its own environment instance, or None
+    failure: str = ""             # why its environment failed to start ("" when it started)
     calls: list = field(default_factory=list)  # the tool calls of its last turn
     ended_with_eos: bool = False  # its last turn ended with the EOS it sampled
 

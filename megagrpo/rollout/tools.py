@@ -166,7 +166,18 @@ def function_tool(name: str, timeout_s: float, what: str) -> Tool:
     return Tool(schema["function"]["name"], schema, lambda arguments, environment=None: fn(**arguments), timeout_s)
 
 
+def environment_failure(what: str, error: Exception) -> str:
+    """A trajectory's failure when its environment's `what` raised: one line, its reason."""
+    first_line = (str(error).splitlines() or [""])[0][:300]
+    return f"environment: {what} raised {type(error).__name__}: {first_line}"
+
+
 def resolve_environment(name: str):
+    """The environment class rollout.environment names: module:Class, or hub:environment
+    (megagrpo/hubs, e.g. textarena:GuessTheNumber-v0)."""
+    from megagrpo.hubs import hub_environment, hub_of
+    if hub_of(name):
+        return hub_environment(name)
     cls = resolve_dotted(name, "rollout.environment")
     if not inspect.isclass(cls):
         raise ConfigError(f"rollout.environment: '{name}' is not a class")
@@ -212,15 +223,19 @@ class Toolset:
     def schemas(self) -> list[dict]:
         return [t.schema for t in self.tools.values()]
 
-    def new_environment(self, fields: dict):
-        """A fresh environment instance for one trajectory (reset with the row's fields), or None."""
+    def new_environment(self, fields: dict) -> tuple[object, str]:
+        """A fresh environment instance for one trajectory, reset with the row's fields (or None),
+        and the reason it failed to start ("" when it did: a failed one is None)."""
         if self.environment_class is None:
-            return None
-        environment = self.environment_class()
-        reset = getattr(environment, "reset", None)
-        if callable(reset):
-            reset(**fields)
-        return environment
+            return None, ""
+        try:
+            environment = self.environment_class()
+            reset = getattr(environment, "reset", None)
+            if callable(reset):
+                reset(**fields)
+        except Exception as e:  # noqa: BLE001 - the environment's own failure ends its episode, not the run
+            return None, environment_failure("reset", e)
+        return environment, ""
 
     def close(self) -> None:
         for close in self.closers:

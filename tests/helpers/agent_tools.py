@@ -86,6 +86,27 @@ class NumberGame:
         NumberGame.closed_count += 1
 
 
+class BrokenGame(NumberGame):
+    """A NumberGame whose reset raises for secret 1 and whose get_reward raises for secret 2
+    (each episode must end scored 0 with its reason), and whose close raises for secret 3 (the
+    episode keeps its reward)."""
+
+    def reset(self, secret=5, **_):
+        if int(secret) == 1:
+            raise RuntimeError("no board for secret 1")
+        super().reset(secret)
+
+    def get_reward(self) -> float:
+        if self.secret == 2:
+            raise KeyError("score")
+        return super().get_reward()
+
+    def close(self):
+        super().close()
+        if self.secret == 3:
+            raise OSError("the board would not close")
+
+
 def expected_python_output(text: str) -> str:
     return f"{len(text) * 7}\n"
 

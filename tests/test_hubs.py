@@ -1,0 +1,143 @@
+"""Environments from the hubs (megagrpo/hubs): a real TextArena game played through the real
+multi-turn loop and scored by its own reward, its boards written by tools/prepare_data.py; the
+one-line errors for what is not there; and environments that raise, which end their episode
+scored 0 with the reason while the loop goes on."""
+import json
+import os
+import re
+import sys
+
+import pytest
+from conftest import PYTHON, ROOT, run
+from transformers import AutoTokenizer
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
+
+from megagrpo.config.schema import ConfigError
+from megagrpo.data import load_prompts
+from megagrpo.policy.batch import Completion
+from megagrpo.rollout.agent import AgentLoop
+from megagrpo.rollout.generator_group import GeneratorGroup
+from megagrpo.rollout.tools import Toolset
+from megagrpo.validation import load_config
+
+GAME = "GuessTheNumber-v0"  # 1 to 20 in 10 guesses, answered "higher" or "lower"
+
+
+class BisectingPlayer:
+    """A generator (rollout/generators.py's interface) that plays each request's game by
+    bisection, reading the conversation so far: a `move` call while the game runs, a last
+    plain turn once the game says it is over."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.requests = tokenizer, 0
+
+    def turn(self, conversation: str) -> str:
+        after_prompt = conversation.split("<tool_response>", 1)
+        low, high = 1, 20
+        if len(after_prompt) > 1:
+            if "The game is over" in after_prompt[1].split("<tool_response>")[-1]:
+                return "I have played the game."
+            guesses = [int(g) for g in re.findall(r'"action": "\[(\d+)\]"', conversation)]
+            answers = re.findall(r"The target number is (higher|lower)", after_prompt[1])
+            for guess, answer in zip(guesses, answers):
+                low, high = (guess + 1, high) if answer == "higher" else (low, guess - 1)
+        return f'<tool_call>{{"name": "move", "arguments": {{"action": "[{(low + high) // 2}]"}}}}</tool_call>'
+
+    def generate(self, prompt_ids, n, seeds, greedy=False, max_tokens=None):
+        out = []
+        for ids in prompt_ids:
+            self.requests += 1
+            text = self.turn(self.tokenizer.decode(ids, skip_special_tokens=False))
+            turn = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            out.append([Completion(turn, [-0.5] * len(turn), False) for _ in range(n)])
+        return out
+
+
+def _loop(tiny, tmp_path, data_file, environment, max_turns=14):
+    overrides = [f"rollout.max_turns={max_turns}", f"rollout.environment={environment}",
+                 f"model.name_or_path={tiny['model']}", f"data.train_file={data_file}", "deepspeed={}",
+                 "data.max_prompt_length=900", "rollout.max_new_tokens=60", "rollout.max_model_len=4096",
+                 "rewards.functions=[environment]"]
+    cfg = load_config(None, overrides, training=False)
+    tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
+    toolset = Toolset(cfg)
+    player = BisectingPlayer(tokenizer)
+    loop = AgentLoop(cfg, GeneratorGroup.of_one(player), tokenizer, toolset)
+    prompts, _ = load_prompts(str(data_file), tokenizer, cfg.data.max_prompt_length, tools=toolset.schemas)
+    return loop, prompts, player
+
+
+def test_a_textarena_game_is_played_through_the_loop_and_scored_by_its_own_reward(tiny, tmp_path):
+    out = tmp_path / "guess"
+    proc = run([PYTHON, "tools/prepare_data.py", "--textarena", GAME, "--out", str(out), "--train-size", "6",
+                "--eval-size", "2", "--seed", "10"])
+    assert f"6 boards of TextArena's {GAME}" in proc.stdout
+    rows = [json.loads(line) for line in open(out / "train.jsonl")]
+    held_out = [json.loads(line) for line in open(out / "eval.jsonl")]
+    assert [r["seed"] for r in rows] == list(range(10, 16)) and [r["seed"] for r in held_out] == [16, 17]
+    assert all("Guess The Number" in r["prompt"] and "move tool" in r["prompt"] for r in rows)
+
+    loop, prompts, player = _loop(tiny, tmp_path, out / "train.jsonl", f"textarena:{GAME}")
+    groups = loop.generate(prompts, n=2, seeds=list(range(len(prompts))))
+    guesses = []
+    for group, row in zip(groups, rows):
+        for t in group:
+            # bisection finds 1..20 in at most 5 guesses; the game's own reward for a win is 1
+            assert t.environment_reward == 1.0 and t.failure == "", (row, t.messages[-3:])
+            assert t.ended_by == "answer" and 2 <= t.turns <= 6 and t.tool_calls == t.turns - 1
+            assert "Congratulations" in t.messages[-2]["content"]
+            assert len(t.token_ids) == len(t.logprobs) == len(t.model_mask)
+            assert 0 in t.model_mask  # the game's answers are inserted, not trained on
+        # one seed, one board: both episodes of a row play the same game the same way
+        assert group[0].token_ids == group[1].token_ids
+        guesses.append(json.dumps([m.get("tool_calls") for m in group[0].messages]))
+    assert len(set(guesses)) > 1, "every seed hid the same number"
+    # a group's first turns are one request (n=2), each later turn a request of its own
+    assert player.requests == sum(t.turns for group in groups for t in group) - len(prompts)
+
+    # the same boards again, now with all twelve games in the tool threads at once: the same plays
+    again = loop.generate(prompts, n=2, seeds=list(range(len(prompts))))
+    assert [t.token_ids for g in again for t in g] == [t.token_ids for g in groups for t in g]
+
+
+def test_environments_that_raise_end_their_episode_scored_zero_and_the_loop_goes_on(tiny, tmp_path, capfd):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Find {s}", "secret": s}) + "\n" for s in (1, 2, 3, 4)))
+    loop, prompts, player = _loop(tiny, tmp_path, data, "agent_tools:BrokenGame", max_turns=3)
+    player.turn = lambda conversation: (
+        '<tool_call>{"name": "guess", "arguments": {"number": 4}}</tool_call>' if "<tool_response>" not in conversation
+        else "done")
+    (reset_fails,), (reward_fails,), (close_fails,), (fine,) = loop.generate(prompts, n=1, seeds=[0, 1, 2, 3])
+    assert reset_fails.ended_by == "environment_error" and reset_fails.turns == 1 and reset_fails.tool_calls == 0
+    assert reset_fails.failure == "environment: reset raised RuntimeError: no board for secret 1"
+    assert reset_fails.environment_reward == 0.0
+    assert reward_fails.failure == "environment: get_reward raised KeyError: 'score'"
+    assert reward_fails.environment_reward == 0.0 and reward_fails.ended_by == "answer"
+    assert close_fails.failure == "" and close_fails.environment_reward == pytest.approx(0.1)  # its reward stands
+    assert fine.failure == "" and fine.environment_reward == 1.0
+    printed = capfd.readouterr().out
+    assert printed.count("no board for secret 1") == 1 and "the board would not close" in printed
+    loop.generate(prompts[:1], n=2, seeds=[5])  # a reason already printed is not printed again
+    assert "no board" not in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("environment, message", [
+    ("textarena:Nope-v0", "textarena has no game 'Nope-v0'; textarena.envs.registration.ENV_REGISTRY lists"),
+    ("textarena:guessthenumber", "did you mean GuessTheNumber-v0, "),
+    ("verifiers:wordle", "run the environment as an outside agent (rollout.agent_command)"),
+    ("openenv:echo_env", "OpenEnv's packages ship no environments"),
+])
+def test_hub_names_that_do_not_resolve_get_one_line_errors(environment, message, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.max_turns=3", f"rollout.environment={environment}", "model.name_or_path=org/m",
+                           f"data.train_file={data}", "deepspeed={}"], training=False)
+    assert message in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("rollout.environment: ")
+
+
+def test_prepare_data_names_a_game_textarena_lacks(tmp_path):
+    proc = run([PYTHON, "tools/prepare_data.py", "--textarena", "Wordl", "--out", str(tmp_path)], check=False)
+    assert proc.returncode == 2 and "textarena has no game 'Wordl'" in proc.stderr
+    assert not os.listdir(tmp_path)
