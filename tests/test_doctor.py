@@ -27,8 +27,12 @@ FAILING_RUNS = {
     # a learning rate 50,000x: the policy collapses onto one looping answer
     "collapse": (["grpo.learning_rate=10", "grpo.max_steps=6", "doctor.max_plan_memory=0.2"],
                  {"entropy", "repetition", "zero_advantage", "kl", "memory"}, {"reward_swing", "sampler_gap"}),
-    # bfloat16 and a learning rate 2,500x: vLLM's and the trainer's kernels part ways on the broken weights
-    "sampler": (["model.dtype=bfloat16", "grpo.learning_rate=0.5", "grpo.max_steps=5"],
+    # bfloat16 and a learning rate 2,500x: vLLM's and the trainer's kernels part ways on the broken weights.
+    # Where the policy collapses at once (entropy 0 from step 3, seen in CI), the gap left is bf16's own
+    # before the collapse (1.6e-3 and 3.7e-3 nats per token at steps 1 and 2; fp32's is about 1e-7), so
+    # the threshold sits under it
+    "sampler": (["model.dtype=bfloat16", "grpo.learning_rate=0.5", "grpo.max_steps=5",
+                 "doctor.max_sampler_gap=0.0005"],
                 {"sampler_gap"}, {"reward_swing"}),
     # a reward that is a coin flip, 4 completions a step; and a node-memory threshold it is sure to pass
     "noisy": (["rewards.functions=[noisy_reward:coin_flip]", "grpo.per_device_train_batch_size=4",
