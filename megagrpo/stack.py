@@ -153,7 +153,7 @@ class RolloutStack:
         if self.agent is not None:
             out.update(agent_metrics(completions, self.agent.tool_wall_seconds, self.topology.dp_group))
         if isinstance(self.agent, OutsideAgents):
-            out.update(self.agent.metrics(self.topology.dp_group))
+            out.update(self.agent.metrics(completions, self.topology.dp_group))
         return out
 
     def _sample_ahead(self, step: int, indices: list) -> Optional[list]:

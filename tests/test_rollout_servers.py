@@ -211,6 +211,28 @@ def test_a_request_paused_through_an_update_goes_on_with_the_new_weights(tiny, t
 
 
 @pytest.mark.daemons
+def test_an_outside_agent_generates_through_the_server_one_step_ahead(tiny, tmp_path, server):
+    """rollout.agent with rollout.servers and max_staleness 1: an `openai`-SDK agent's episodes
+    (3 model calls each, the earlier turns sent back reworded) reach the server batched, the
+    trainer's log-probs equal the server's, and each step's agent metrics are its own batch's,
+    though that batch was sampled a step before it is scored."""
+    from test_outside_agents import AGENT, HELPERS
+
+    out = tmp_path / "agent"
+    run([sys.executable, "-m", "megagrpo.train", "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, out),
+         *AGENT, "rollout.agent=openai_tool_agent:solve_streaming_rerendering", f"rollout.servers=[{server}]",
+         "rollout.max_staleness=1", "grpo.max_steps=3", "checkpoint.save_steps=0"], env=HELPERS, timeout=600)
+    assert values(out, "train/rollout/staleness") == [0.0, 1.0, 1.0]
+    assert values(out, "train/agent/episodes") == [16.0] * 3
+    assert values(out, "train/agent/model_calls_per_episode") == [3.0] * 3
+    assert values(out, "train/agent/prefix_mismatches_per_episode") == [2.0] * 3
+    # every step's batch went to the server in batched calls (read from the batch itself: the
+    # next one is in flight when a step logs)
+    assert all(v > 1 for v in values(out, "train/agent/requests_per_generator_call_max"))
+    assert max(values(out, "train/sampling/sampling_logp_difference/max")) < 1e-4
+
+
+@pytest.mark.daemons
 @pytest.mark.multirank
 def test_partial_rollouts_in_a_run_resumed(tiny, tmp_path, server):
     """rollout.partial_rollouts in a 2-rank run (the requests in flight at an update go on):

@@ -44,6 +44,9 @@ class Trajectory(Completion):
     agent_reward: Optional[float] = None           # the agent program's result
     failure: str = ""                              # why the episode failed (it then scores 0)
     prefix_mismatches: int = 0                     # requests that re-rendered earlier turns otherwise
+    model_seconds: float = 0.0                     # its requests' time in the generator
+    agent_seconds: float = 0.0                     # the rest of its wall time: in the agent program
+    generator_batch: int = 0                       # the most requests one generator call of its batch took
 
 
 class ToolMessageRenderer:

@@ -176,4 +176,4 @@ class Episode:
                           tool_calls=self.tool_calls, ended_by="budget" if self.ended == "budget" else "answer",
                           prompt_ids=None if self.prompt_ids is None else list(self.prompt_ids),
                           agent_reward=0.0 if failure else agent_reward, failure=failure,
-                          prefix_mismatches=self.mismatches)
+                          prefix_mismatches=self.mismatches, model_seconds=self.model_seconds)

@@ -102,7 +102,6 @@ class OutsideAgents:
         self.endpoint = Endpoint(r.agent_model_name, tokenizer, resolve_parser(r.tool_call_parser), self.batcher,
                                  max_sequence_length(cfg), r.max_new_tokens, r.max_turns)
         self.tool_wall_seconds = 0.0  # agent_metrics reads it: tools run inside the agents
-        self.last: list[tuple[Episode, str, float]] = []  # the last step's episodes, failures and wall times
 
     def _sample(self, ids: list, seeds: list, max_tokens: list) -> list:
         groups = self.generator.generate(ids, n=1, seeds=seeds, greedy=self.greedy, max_tokens=max_tokens)
@@ -120,12 +119,17 @@ class OutsideAgents:
         with ThreadPoolExecutor(max_workers=max(1, min(self.cfg.agent_concurrency, len(episodes))),
                                 thread_name_prefix="agent") as pool:
             results = list(pool.map(self._run, episodes))
-        self.last = [(e, failure, seconds) for e, (_, failure, seconds) in zip(episodes, results)]
-        for failure in dict.fromkeys(f for _, f, _ in self.last if f and f not in self.reported):
+        failures = [failure for _, failure, _ in results]
+        for failure in dict.fromkeys(f for f in failures if f and f not in self.reported):
             self.reported.add(failure)
-            count = sum(f == failure for _, f, _ in self.last)
-            self.log(f"agent episodes failed ({count} of {len(episodes)} this step; scored 0): {failure}")
-        trajectories = [e.trajectory(reward, failure) for e, (reward, failure, _) in zip(episodes, results)]
+            self.log(f"agent episodes failed ({failures.count(failure)} of {len(episodes)} this step; scored 0): "
+                     f"{failure}")
+        trajectories = []
+        for episode, (reward, failure, seconds) in zip(episodes, results):
+            t = episode.trajectory(reward, failure)
+            # the batch's own figures travel with it (a batch sampled ahead is scored a step later)
+            t.agent_seconds, t.generator_batch = seconds - episode.model_seconds, self.batcher.in_flight_max
+            trajectories.append(t)
         return [trajectories[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def _run(self, episode: Episode) -> tuple[Optional[float], str, float]:
@@ -191,21 +195,21 @@ class OutsideAgents:
         except ValueError:
             return None
 
-    def metrics(self, group=None) -> dict:
-        """The last step's episodes over the ranks of `group`: how many, model calls and prefix
-        mismatches per episode, failures by kind, the most requests one generator call took,
-        and where an episode's time went (waiting on the model, or in the agent itself)."""
+    def metrics(self, trajectories: list, group=None) -> dict:
+        """The episodes of a step's batch (its Trajectories) over the ranks of `group`: how many,
+        model calls and prefix mismatches per episode, failures by kind, the most requests one
+        generator call took, and where an episode's time went (waiting on the model, or in the
+        agent itself)."""
         from megagrpo.cluster.distributed import all_reduce
 
-        episodes = [e for e, _, _ in self.last]
-        sums = torch.tensor([len(episodes), sum(e.calls for e in episodes), sum(e.mismatches for e in episodes),
-                             sum(e.model_seconds for e in episodes),
-                             sum(seconds - e.model_seconds for e, _, seconds in self.last),
-                             *[sum(f.startswith(kind + ":") for _, f, _ in self.last) for kind in FAILURES]],
+        sums = torch.tensor([len(trajectories), sum(t.turns for t in trajectories),
+                             sum(t.prefix_mismatches for t in trajectories),
+                             sum(t.model_seconds for t in trajectories), sum(t.agent_seconds for t in trajectories),
+                             *[sum(t.failure.startswith(kind + ":") for t in trajectories) for kind in FAILURES]],
                             dtype=torch.float64)
         sums = all_reduce(sums, group=group)
-        batch = all_reduce(torch.tensor([float(self.batcher.in_flight_max)], dtype=torch.float64), "max",
-                           group=group)
+        batch = all_reduce(torch.tensor([float(max((t.generator_batch for t in trajectories), default=0))],
+                                        dtype=torch.float64), "max", group=group)
         count = max(float(sums[0]), 1.0)
         out = {"agent/episodes": float(sums[0]), "agent/model_calls_per_episode": float(sums[1]) / count,
                "agent/prefix_mismatches_per_episode": float(sums[2]) / count,

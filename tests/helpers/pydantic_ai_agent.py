@@ -1,10 +1,12 @@
 """An agent written with pydantic-ai (an agent framework people use; `pydantic-ai-slim[openai]`
 is in the test extra), for tests/test_outside_agents.py: its OpenAI model pointed at the
 endpoint's base URL, the arithmetic `python` tool of openai_tool_agent.py as a pydantic-ai tool,
-at most 3 model requests. Its result is pydantic-ai's own output (the last answer's text) held
+at most 3 model requests (an episode that spends them all on tool calls ends unanswered, as a
+budget-aware agent does, and scores 0). Its result is pydantic-ai's own output (the last answer's text) held
 against the row's answer."""
 from openai_tool_agent import run_python
 from pydantic_ai import Agent
+from pydantic_ai.exceptions import UsageLimitExceeded
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 from pydantic_ai.usage import UsageLimits
@@ -22,7 +24,10 @@ def solve(base_url: str, api_key: str, model: str, task: dict) -> dict:
         """
         return run_python(code)
 
-    result = agent.run_sync(task["messages"][-1]["content"], usage_limits=UsageLimits(request_limit=3))
+    try:
+        result = agent.run_sync(task["messages"][-1]["content"], usage_limits=UsageLimits(request_limit=3))
+    except UsageLimitExceeded:  # its 3 requests spent on tool calls, no answer given: it scores 0
+        return {"reward": 0.0}
     expected = str(task["fields"].get("answer", ""))
     return {"reward": 1.0 if expected and expected in str(result.output) else 0.0}
 
