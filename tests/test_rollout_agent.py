@@ -71,7 +71,7 @@ def test_bad_calls_become_errors_and_calls_of_a_turn_run_concurrently(monkeypatc
     runner = ToolRunner(toolset, max_calls_per_turn=6)
     script = "".join(call for kind, (call, _) in agent_tools.BAD_CALLS.items() if kind != "python_error")
     jobs = [(hermes(script + '<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>'),
-             toolset.new_environment({})) for _ in range(6)]
+             toolset.new_environment({})[0]) for _ in range(6)]
     agent_tools.SLOW_STARTS.clear()
     results = runner.run(jobs)
     # at once: the six calls of `slow` began before the first one's 1 s timeout ran out (one after
