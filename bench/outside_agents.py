@@ -73,7 +73,8 @@ def per_request(agents: OutsideAgents, engine, prompt_ids: list[int], repeats: i
             "overhead_ms": 1000 * (statistics.median(endpoint) - statistics.median(direct)), "same_tokens": same}
 
 
-def throughput(generate, prompts, n: int, repeats: int) -> dict:
+def throughput(generate, prompts, n: int, repeats: int) -> tuple[dict, list]:
+    """Episodes per second over `repeats` rounds, and the last round's episodes."""
     generate(prompts[:2], 2, [0, 1])  # warm-up
     done, calls, start = 0, 0, time.perf_counter()
     for r in range(repeats):
@@ -82,8 +83,8 @@ def throughput(generate, prompts, n: int, repeats: int) -> dict:
         done += len(episodes)
         calls += sum(t.turns for t in episodes)
     seconds = time.perf_counter() - start
-    return {"episodes": done, "seconds": seconds, "episodes_per_s": done / seconds, "calls_per_episode": calls / done,
-            "last_repeat": episodes}
+    return {"episodes": done, "seconds": seconds, "episodes_per_s": done / seconds,
+            "calls_per_episode": calls / done}, episodes
 
 
 def main():
@@ -108,13 +109,12 @@ def main():
     agents = OutsideAgents(outside_cfg, engine, tokenizer, log=lambda line: print(line, flush=True))
     results = {"per_request": per_request(agents, engine, prompts[0].token_ids, 4 * args.repeats)}
     loop = AgentLoop(builtin_cfg, GeneratorGroup.of_one(engine), tokenizer, toolset)
-    results["built-in loop"] = throughput(lambda c, n, s: loop.generate(c, n, s), prompts, args.num_generations,
-                                          args.repeats)
-    results["endpoint + openai SDK agents"] = throughput(lambda c, n, s: agents.generate(c, n, s), prompts,
-                                                         args.num_generations, args.repeats)
-    results["built-in loop"].pop("last_repeat")
-    outside = results["endpoint + openai SDK agents"]
-    outside["last repeat"] = agents.metrics(outside.pop("last_repeat"))  # where an episode's time went
+    results["built-in loop"], _ = throughput(lambda c, n, s: loop.generate(c, n, s), prompts, args.num_generations,
+                                             args.repeats)
+    outside, episodes = throughput(lambda c, n, s: agents.generate(c, n, s), prompts, args.num_generations,
+                                   args.repeats)
+    outside["last repeat"] = agents.metrics(episodes)  # where an episode's time went
+    results["endpoint + openai SDK agents"] = outside
     toolset.close()
     agents.close()
     r = results["per_request"]

@@ -54,7 +54,7 @@ class BisectingPlayer:
         return out
 
 
-def _loop(tiny, tmp_path, data_file, environment, max_turns=14):
+def _loop(tiny, data_file, environment, max_turns=14):
     overrides = [f"rollout.max_turns={max_turns}", f"rollout.environment={environment}",
                  f"model.name_or_path={tiny['model']}", f"data.train_file={data_file}", "deepspeed={}",
                  "data.max_prompt_length=900", "rollout.max_new_tokens=60", "rollout.max_model_len=4096",
@@ -78,7 +78,7 @@ def test_a_textarena_game_is_played_through_the_loop_and_scored_by_its_own_rewar
     assert [r["seed"] for r in rows] == list(range(10, 16)) and [r["seed"] for r in held_out] == [16, 17]
     assert all("Guess The Number" in r["prompt"] and "move tool" in r["prompt"] for r in rows)
 
-    loop, prompts, player = _loop(tiny, tmp_path, out / "train.jsonl", f"textarena:{GAME}")
+    loop, prompts, player = _loop(tiny, out / "train.jsonl", f"textarena:{GAME}")
     groups = loop.generate(prompts, n=2, seeds=list(range(len(prompts))))
     guesses = []
     for group, row in zip(groups, rows):
@@ -104,7 +104,7 @@ def test_a_textarena_game_is_played_through_the_loop_and_scored_by_its_own_rewar
 def test_environments_that_raise_end_their_episode_scored_zero_and_the_loop_goes_on(tiny, tmp_path, capfd):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Find {s}", "secret": s}) + "\n" for s in (1, 2, 3, 4)))
-    loop, prompts, player = _loop(tiny, tmp_path, data, "agent_tools:BrokenGame", max_turns=3)
+    loop, prompts, player = _loop(tiny, data, "agent_tools:BrokenGame", max_turns=3)
     player.turn = lambda conversation: (
         '<tool_call>{"name": "guess", "arguments": {"number": 4}}</tool_call>' if "<tool_response>" not in conversation
         else "done")

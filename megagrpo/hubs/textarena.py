@@ -75,7 +75,7 @@ class _Game:
 def environment_class(game: str) -> type:
     """The environment class of TextArena game `game`, checked by opening one board (a
     one-line ConfigError for a game TextArena does not have, or one that cannot start here)."""
-    ta = _textarena()
+    _textarena()  # a one-line error where the extra is not installed
     from textarena.envs.registration import ENV_REGISTRY
     if game not in ENV_REGISTRY:
         near = sorted(g for g in ENV_REGISTRY if g.split("-")[0].lower() == game.split("-")[0].lower())
@@ -87,7 +87,6 @@ def environment_class(game: str) -> type:
     except Exception as e:  # noqa: BLE001 - the game's own failure, named
         raise ConfigError(f"rollout.environment: textarena game '{game}' cannot start here: "
                           f"{type(e).__name__}: {e}") from None
-    del ta
 
     class TextArenaGame:
         __doc__ = f"TextArena's {game}, played by the model through its `move` tool."
