@@ -25,8 +25,6 @@ import time
 import urllib.error
 import urllib.request
 
-from openai import OpenAI
-
 MAX_TURNS = 3
 # the agent's own copy of megagrpo's PYTHON_SCHEMA (rollout/tools.py), the tool the quickstart's warm start
 # learned: as a user's agent it imports nothing of megagrpo, and its processes start 0.3 s sooner for it
@@ -71,6 +69,10 @@ def python(code: str) -> str:
 
 
 def solve(base_url: str, api_key: str, model: str, task: dict, mode: str = "") -> dict:
+    # imported here, not at the top: a chaos episode takes its number before the second of CPU that
+    # openai's import costs, so on a loaded machine a timeout cannot come before the count and shift fates
+    from openai import OpenAI
+
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
     messages, answer = list(task["messages"]), ""
     for turn in range(MAX_TURNS):
