@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what the tests need (launch/install_system.sh: Debian packages; launch/install.sh:
-# .venv with the CPU stack) and run the suite.
+# .venv with the CPU stack; launch/install_hub.sh: .venv-verifiers) and run the suite.
 #   bash tests/run.sh                 # everything
 #   bash tests/run.sh -k swap -x      # any pytest arguments
 # Two pytest-xdist workers share the 2 cores (a file's tests run on one worker, the slowest files
@@ -13,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install_system.sh
 MEGAGRPO_EXTRAS=test MEGAGRPO_OFFLOAD_OPS=1 bash launch/install.sh  # pytest, trl, wandb; CPU Adam for the offload tests
+bash launch/install_hub.sh verifiers  # .venv-verifiers: the verifiers environment tests (tests/test_hubs.py)
 export PYTHONUNBUFFERED=1
 # the workers' jobs share the 2 cores: their OpenMP threads wait passively, as the ranks of one
 # node do (megagrpo/__init__.py sets it only where a launcher started several ranks)

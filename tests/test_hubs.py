@@ -1,14 +1,16 @@
 """Environments from the hubs (megagrpo/hubs): a real TextArena game played through the real
-multi-turn loop and scored by its own reward, its boards written by tools/prepare_data.py; the
-one-line errors for what is not there; and environments that raise, which end their episode
-scored 0 with the reason while the loop goes on."""
+multi-turn loop and scored by its own reward, its boards written by tools/prepare_data.py; a
+verifiers environment run by verifiers itself from .venv-verifiers, its model calls recorded as
+the tokens vLLM sampled; the one-line errors for what is not there; and environments that
+raise, which end their episode scored 0 with the reason while the run goes on."""
 import json
 import os
 import re
 import sys
 
 import pytest
-from conftest import PYTHON, ROOT, run
+import torch
+from conftest import PYTHON, ROOT, run, tiny_overrides
 from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
@@ -125,7 +127,7 @@ def test_environments_that_raise_end_their_episode_scored_zero_and_the_loop_goes
 @pytest.mark.parametrize("environment, message", [
     ("textarena:Nope-v0", "textarena has no game 'Nope-v0'; textarena.envs.registration.ENV_REGISTRY lists"),
     ("textarena:guessthenumber", "did you mean GuessTheNumber-v0, "),
-    ("verifiers:wordle", "run the environment as an outside agent (rollout.agent_command)"),
+    ("'verifiers:'", "names no taskset after 'verifiers:'"),  # quoted: YAML reads verifiers: as a mapping
     ("openenv:echo_env", "OpenEnv's packages ship no environments"),
 ])
 def test_hub_names_that_do_not_resolve_get_one_line_errors(environment, message, tmp_path):
@@ -141,3 +143,78 @@ def test_prepare_data_names_a_game_textarena_lacks(tmp_path):
     proc = run([PYTHON, "tools/prepare_data.py", "--textarena", "Wordl", "--out", str(tmp_path)], check=False)
     assert proc.returncode == 2 and "textarena has no game 'Wordl'" in proc.stderr
     assert not os.listdir(tmp_path)
+
+
+VERIFIERS_PYTHON = os.path.join(ROOT, ".venv-verifiers", "bin", "python")
+
+
+@pytest.fixture(scope="module")
+def verifiers_venv():
+    """.venv-verifiers (tests/run.sh makes it: launch/install_hub.sh verifiers); CI's must hold it."""
+    if not os.access(VERIFIERS_PYTHON, os.X_OK):
+        missing = f"{VERIFIERS_PYTHON} is missing: bash launch/install_hub.sh verifiers"
+        pytest.fail(missing) if os.environ.get("MEGAGRPO_CI") else pytest.skip(missing)
+    return {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/tests/helpers"}  # vf_arith: the taskset vf-arith
+
+
+def test_a_verifiers_environment_trains_through_the_endpoint_on_the_sampled_tokens(tiny, tmp_path, verifiers_venv):
+    """tests/helpers/vf_arith, a two-turn verifiers environment, written by prepare_data.py and
+    run by verifiers' own runner, harness and interception server against megagrpo's endpoint:
+    every episode's two model calls are recorded as the very tokens and log-probs vLLM sampled,
+    the user's second question between them masked; the environment's reward is the `agent`
+    reward; a training step runs on them."""
+    from test_rollout_agent import _check_logprobs, _check_rows
+
+    data = tmp_path / "vf"
+    run([PYTHON, "tools/prepare_data.py", "--verifiers", "vf-arith", "--out", str(data), "--train-size", "32",
+         "--eval-size", "4"], env=verifiers_venv)
+    first = json.loads(open(data / "train.jsonl").readline())
+    task = json.loads(first["verifiers_task"])
+    assert first["prompt"] == task["prompt"] and task["name"] == "vf-arith#0" and len(task["answers"]) == 2
+    out = tmp_path / "run"
+    overrides = tiny_overrides(tiny, out, **{
+        "data.train_file": data / "train.jsonl", "data.eval_file": "null", "rollout.environment": "verifiers:vf-arith",
+        "rollout.max_turns": 3, "rollout.max_new_tokens": 16, "rollout.max_model_len": 512,
+        "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4, "checkpoint.save_hf_at_end": "false",
+        "rewards.functions": "[{name: agent}]"})
+    run([PYTHON, "tests/helpers/agent_probe.py", "--config", "configs/tiny_arith.yaml", *overrides],
+        env={**verifiers_venv, "PROBE_STEPS": "1"})
+    result = json.load(open(out / "agent_rank0.json"))
+    step = result["steps"][0]
+    assert step["agent/episodes"] == 8 and step["agent/model_calls_per_episode"] == 2
+    assert step["agent/prefix_mismatches_per_episode"] == 0  # verifiers sends the turns back as sampled
+    assert step["agent/failed_crash"] == step["agent/failed_timeout"] == step["agent/failed_no_model_call"] == 0
+    assert torch.isfinite(torch.tensor(step["loss"]))
+    tokenizer = AutoTokenizer.from_pretrained(tiny["warm"])
+    assert _check_rows(result, tokenizer, expect_python=False, between="user") == len(result["rows"])
+    _check_logprobs(result)
+    for row in result["rows"]:
+        assert row["turns"] == 2 and row["failure"] == "" and row["agent_reward"] in (0.0, 0.5, 1.0)
+        user_turns = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        assert len(user_turns) == 2 and re.fullmatch(r"What is \d \+ \d\?", user_turns[1]), user_turns
+
+
+def test_a_verifiers_environment_that_raises_or_is_missing_says_why(verifiers_venv, tmp_path, monkeypatch):
+    """An environment whose run raises: each episode fails with verifiers' reason (the outside
+    agent's "crash", scored 0), and the runner goes on serving; a taskset verifiers cannot find
+    stops the start with its one-line reason; a missing venv is a config error naming the fix."""
+    from megagrpo.hubs.verifiers import VerifiersRunner, hub_python
+
+    monkeypatch.setenv("PYTHONPATH", verifiers_venv["PYTHONPATH"])  # the runner inherits it
+    runner = VerifiersRunner("verifiers:vf-arith", {"taskset": {"fail": True}})
+    runner.start()
+    try:
+        task = {"fields": {"verifiers_task": json.dumps({"prompt": "What is 1 + 2?", "follow_up": "What is 3 + 4?",
+                                                          "answers": ["3", "7"]})}}
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="vf-arith was told to fail"):
+                runner(base_url="http://127.0.0.1:9/v1", api_key="k", model="policy", task=task)
+        with pytest.raises(ValueError, match="tools/prepare_data.py --verifiers"):
+            runner(base_url="http://127.0.0.1:9/v1", api_key="k", model="policy", task={"fields": {}})
+    finally:
+        runner.close()
+    assert runner.process.returncode == 0
+    with pytest.raises(RuntimeError, match="the verifiers runner did not come up .*taskset 'no-such-env' not found"):
+        VerifiersRunner("verifiers:no-such-env", {}).start()
+    with pytest.raises(ConfigError, match="rollout.verifiers_python: .* launch/install_hub.sh verifiers"):
+        hub_python(str(tmp_path / "python"))

@@ -7,6 +7,7 @@ of the sampled tokens equal vLLM's, every bad tool call becomes an error the mod
 an environment with state gets one instance per trajectory."""
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -199,9 +200,10 @@ def _agent_overrides(tiny, out, parser, **extra):
     return tiny_overrides(tiny, out, **{k: v for k, v in values.items()})
 
 
-def _check_rows(result, tokenizer, expect_python=True):
+def _check_rows(result, tokenizer, expect_python=True, between="tool"):
     """Token identity: each trajectory is its prompt, then per turn what the engine returned for
-    exactly the sequence so far, then the tool message; the mask is 1 on sampled tokens only."""
+    exactly the sequence so far, then the message in between (a tool result, or with between
+    "user" the user's next turn); the mask is 1 on sampled tokens only."""
     calls = result["calls"]
     returned = {}
     for call in calls:
@@ -231,8 +233,12 @@ def _check_rows(result, tokenizer, expect_python=True):
                 text = tokenizer.decode(inserted)
                 # after a turn cut short (no EOS sampled; an outside agent may go on) the template closes it
                 opening = "\n" if sampled and sampled[-1] == tokenizer.eos_token_id else "<|im_end|>\n"
-                assert text.startswith(opening + "<|im_start|>user\n<tool_response>\n") and text.endswith(
-                    "</tool_response><|im_end|>\n<|im_start|>assistant\n"), text
+                if between == "user":
+                    assert re.fullmatch(re.escape(opening + "<|im_start|>user\n") + r"[^<]+"
+                                        + re.escape("<|im_end|>\n<|im_start|>assistant\n"), text), text
+                else:
+                    assert text.startswith(opening + "<|im_start|>user\n<tool_response>\n") and text.endswith(
+                        "</tool_response><|im_end|>\n<|im_start|>assistant\n"), text
                 if expect_python:
                     turn_text = tokenizer.decode(sampled, skip_special_tokens=False)
                     assert f"<tool_response>\n{agent_tools.expected_python_output(turn_text)}\n</tool_response>" in text

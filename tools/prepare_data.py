@@ -1,11 +1,13 @@
 """Write the data files the shipped real-model configs read (data/math/train.jsonl and
 data/math/test.jsonl): one {"prompt", "answer"} JSON object per line, the answer a bare number;
 or a reasoning-gym task's train and held-out files (--reasoning-gym, offline); or the boards of a
-TextArena game (--textarena, offline; docs/environments.md).
+TextArena game (--textarena, offline) or a verifiers taskset's tasks (--verifiers; both in
+docs/environments.md).
 
     python tools/prepare_data.py --reasoning-gym chain_sum --out data/chain_sum --train-size 2000 --eval-size 100
     python tools/prepare_data.py --reasoning-gym basic_arithmetic --task-args '{"max_terms": 3}' --out data/ba
     python tools/prepare_data.py --textarena GuessTheNumber-v0 --out data/guess --train-size 256 --eval-size 32
+    python tools/prepare_data.py --verifiers vf-arith --out data/vf --train-size 256 --eval-size 32
     python tools/prepare_data.py --out data/math                      # GSM8K from the HF hub
     python tools/prepare_data.py --out data/math --train-file gsm8k_train.jsonl --test-file gsm8k_test.jsonl
     python tools/prepare_data.py --out data/math --train-file rows.parquet --test-size 200
@@ -157,6 +159,28 @@ def write_textarena(args) -> int:
     return 0
 
 
+def write_verifiers(args) -> int:
+    from megagrpo.config.schema import ConfigError
+    from megagrpo.hubs.verifiers import write_rows
+    try:
+        overrides = json.loads(args.environment_config)
+    except ValueError as e:
+        print(f"prepare_data: --environment-config is not JSON: {e}", file=sys.stderr)
+        return 2
+    try:
+        rows = write_rows(f"verifiers:{args.verifiers}", overrides, args.verifiers_python,
+                          args.train_size + args.eval_size, 0)
+    except ConfigError as e:
+        print(f"prepare_data: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    for name, part in (("train", rows[:args.train_size]), ("eval", rows[args.train_size:])):
+        path = os.path.join(args.out, f"{name}.jsonl")
+        write(path, part)
+        print(f"{path}: {len(part)} tasks of the verifiers taskset {args.verifiers}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="data/math", help="output folder (default data/math, as the configs expect)")
@@ -177,7 +201,15 @@ def main(argv=None) -> int:
                               "--instruction apply too)")
     ta.add_argument("--textarena", metavar="GAME", help=f"a TextArena game, e.g. GuessTheNumber-v0 (instruction "
                                                          f"default {TA_INSTRUCTION!r})")
+    vf = p.add_argument_group("verifiers (a venv of its own: launch/install_hub.sh verifiers; --train-size and "
+                              "--eval-size apply too)")
+    vf.add_argument("--verifiers", metavar="TASKSET", help="a verifiers taskset's id, e.g. vf-arith")
+    vf.add_argument("--environment-config", default="{}",
+                    help="rollout.environment_config as a JSON object (default {})")
+    vf.add_argument("--verifiers-python", help="the venv's python (default .venv-verifiers/bin/python)")
     args = p.parse_args(argv)
+    if args.verifiers:
+        return write_verifiers(args)
     if args.textarena:
         return write_textarena(args)
     if args.reasoning_gym:

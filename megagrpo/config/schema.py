@@ -346,7 +346,17 @@ class RolloutConfig:
     environment: Optional[str] = None
     """module:Class: one instance per trajectory; its public methods are tools; optional
     reset(**row_fields), get_reward() (the `environment` reward) and close(). Or a hub's
-    environment by name: textarena:GAME, e.g. textarena:GuessTheNumber-v0 (docs/environments.md)."""
+    environment by name: textarena:GAME, e.g. textarena:GuessTheNumber-v0, run in the built-in
+    loop; verifiers:TASKSET, run by verifiers itself as an outside agent, scored by the `agent`
+    reward (docs/environments.md)."""
+    environment_config: dict = field(default_factory=dict)
+    """With environment verifiers:TASKSET: verifiers' EnvConfig as a mapping (vf-eval's --env.*
+    options, nested), e.g. {taskset: {seed: 3}, player: {max_turns: 4}}. Every agent role
+    defaults to the null harness on the subprocess runtime (no container, no cloud)."""
+    verifiers_python: Optional[str] = None
+    """With environment verifiers:TASKSET: the python of the venv that holds verifiers and the
+    environment's package (a relative path is taken from the repository); default
+    .venv-verifiers/bin/python, which `bash launch/install_hub.sh verifiers` makes."""
     tool_call_parser: str = "hermes"
     """How tool calls are read from a turn: hermes (<tool_call>{"name", "arguments"}</tool_call>,
     Qwen/Hermes templates) or module:function(text) -> list of rollout.tools.ParsedCall."""

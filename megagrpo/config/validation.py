@@ -81,13 +81,16 @@ def check_config(cfg: Config, training: bool = True, planning: bool = False) -> 
     require(len(cfg.rewards.functions) > 0 or not training,
             "rewards.functions is empty: add at least one, e.g. "
             "[{name: answer_match, weight: 1.0}]")
-    require(not any(fn.name == "environment" for fn in cfg.rewards.functions) or bool(cfg.rollout.environment),
+    verifiers = (cfg.rollout.environment or "").startswith("verifiers:")  # an outside agent (megagrpo/hubs)
+    require(not any(fn.name == "environment" for fn in cfg.rewards.functions)
+            or bool(cfg.rollout.environment and not verifiers),
             "rewards.functions: the 'environment' reward reads the get_reward() of rollout.environment, "
-            "which is not set; set rollout.environment=module:Class or remove the reward")
-    require(not any(fn.name == "agent" for fn in cfg.rewards.functions) or bool(cfg.rollout.agent
-                                                                                or cfg.rollout.agent_command),
+            + ("which a verifiers environment does not have: its reward is the 'agent' reward"
+               if verifiers else "which is not set; set rollout.environment=module:Class or remove the reward"))
+    require(not any(fn.name == "agent" for fn in cfg.rewards.functions)
+            or bool(cfg.rollout.agent or cfg.rollout.agent_command or verifiers),
             "rewards.functions: the 'agent' reward is an outside agent's result, and neither rollout.agent nor "
-            "rollout.agent_command is set; set one or remove the reward")
+            "rollout.agent_command (nor a verifiers rollout.environment) is set; set one or remove the reward")
     if isinstance(cfg.deepspeed, str):
         require(os.path.isfile(cfg.deepspeed),
                  f"deepspeed: file '{cfg.deepspeed}' does not exist; use one of configs/ds_*.json "

@@ -34,6 +34,8 @@ import torch
 
 from megagrpo.config.loading import resolve_dotted
 from megagrpo.config.schema import Config, ConfigError, max_sequence_length
+from megagrpo.hubs import runs_as_outside_agent
+from megagrpo.hubs.verifiers import VerifiersRunner, env_config, hub_python
 from megagrpo.rollout.endpoint import Batcher, Endpoint
 from megagrpo.rollout.episodes import Episode
 from megagrpo.rollout.tools import resolve_parser
@@ -48,7 +50,8 @@ class AgentFailure(Exception):
 
 
 def uses_outside_agent(cfg: Config) -> bool:
-    return bool(cfg.rollout.agent or cfg.rollout.agent_command)
+    r = cfg.rollout
+    return bool(r.agent or r.agent_command or runs_as_outside_agent(r.environment))
 
 
 def check_outside_agent(cfg: Config, generator_ranks: int) -> None:
@@ -57,12 +60,17 @@ def check_outside_agent(cfg: Config, generator_ranks: int) -> None:
     r = cfg.rollout
     if not uses_outside_agent(cfg):
         return
-    if r.agent and r.agent_command:
-        raise ConfigError("rollout.agent and rollout.agent_command are both set: give one (a callable, or a command)")
-    if r.tools or r.environment:
+    hub = runs_as_outside_agent(r.environment)
+    if sum(map(bool, (r.agent, r.agent_command, hub))) > 1:
+        raise ConfigError("rollout.agent, rollout.agent_command and a verifiers rollout.environment each start "
+                          "the episodes' program: give one")
+    if r.tools or (r.environment and not hub):
         raise ConfigError("rollout.tools and rollout.environment are the built-in loop's; an outside agent "
                           "(rollout.agent / agent_command) brings its own tools: remove them")
-    if r.agent:
+    if hub:
+        env_config(r.environment, r.environment_config)
+        hub_python(r.verifiers_python)
+    elif r.agent:
         resolve_dotted(r.agent, "rollout.agent")
     else:
         try:
@@ -97,6 +105,10 @@ class OutsideAgents:
         self.log, self.reported = log, set()  # each distinct failure is printed once
         self.cfg, self.generator, self.greedy = r, generator, False
         self.program = resolve_dotted(r.agent, "rollout.agent") if r.agent else None
+        self.runner = None  # a verifiers environment's runner: the program of every episode
+        if runs_as_outside_agent(r.environment):
+            self.program = self.runner = VerifiersRunner(r.environment, r.environment_config, r.verifiers_python)
+            self.runner.start()
         self.command = shlex.split(r.agent_command) if r.agent_command else None
         self.batcher = Batcher(self._sample, r.agent_batch_window_s)
         self.endpoint = Endpoint(r.agent_model_name, tokenizer, resolve_parser(r.tool_call_parser), self.batcher,
@@ -220,3 +232,5 @@ class OutsideAgents:
 
     def close(self) -> None:
         self.endpoint.close()
+        if self.runner is not None:
+            self.runner.close()

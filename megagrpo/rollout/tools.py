@@ -245,14 +245,16 @@ class Toolset:
 def check_tools(cfg) -> None:
     """Config check, before anything is built: the multi-turn settings fit together, every
     function tool and the environment import and have a schema, the parser resolves."""
+    from megagrpo.hubs import runs_as_outside_agent
     r = cfg.rollout
-    agentic = bool(r.tools or r.environment)
+    outside = bool(r.agent or r.agent_command or runs_as_outside_agent(r.environment))
+    agentic = bool(r.tools or r.environment) and not outside  # the built-in loop's tools
     if r.max_turns < 1:
         raise ConfigError(f"rollout.max_turns: {r.max_turns} must be >= 1 (1: single-turn)")
     if agentic and r.max_turns < 2:
         raise ConfigError(f"rollout.max_turns: {r.max_turns} leaves no turn to read a tool's result; set "
                           "rollout.max_turns >= 2 with rollout.tools or rollout.environment")
-    if r.max_turns > 1 and not agentic and not (r.agent or r.agent_command):
+    if r.max_turns > 1 and not agentic and not outside:
         raise ConfigError(f"rollout.max_turns: {r.max_turns} needs rollout.tools or rollout.environment "
                           "(a turn continues only after tool calls), e.g. rollout.tools=[python]")
     for key in ("tool_timeout_s", "max_tool_response_tokens", "max_tool_calls_per_turn", "tool_workers"):
