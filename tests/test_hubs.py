@@ -6,11 +6,14 @@ raise, which end their episode scored 0 with the reason while the run goes on.""
 import json
 import os
 import re
+import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 import torch
-from conftest import PYTHON, ROOT, run, tiny_overrides
+from conftest import PYTHON, ROOT, free_port, run, tiny_overrides
 from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
@@ -128,7 +131,7 @@ def test_environments_that_raise_end_their_episode_scored_zero_and_the_loop_goes
     ("textarena:Nope-v0", "textarena has no game 'Nope-v0'; textarena.envs.registration.ENV_REGISTRY lists"),
     ("textarena:guessthenumber", "did you mean GuessTheNumber-v0, "),
     ("'verifiers:'", "names no taskset after 'verifiers:'"),  # quoted: YAML reads verifiers: as a mapping
-    ("openenv:echo_env", "OpenEnv's packages ship no environments"),
+    ("openenv:echo_env", "through verifiers' openenv taskset: rollout.environment: verifiers:openenv"),
 ])
 def test_hub_names_that_do_not_resolve_get_one_line_errors(environment, message, tmp_path):
     data = tmp_path / "d.jsonl"
@@ -192,6 +195,73 @@ def test_a_verifiers_environment_trains_through_the_endpoint_on_the_sampled_toke
         assert row["turns"] == 2 and row["failure"] == "" and row["agent_reward"] in (0.0, 0.5, 1.0)
         user_turns = [m["content"] for m in row["messages"] if m["role"] == "user"]
         assert len(user_turns) == 2 and re.fullmatch(r"What is \d \+ \d\?", user_turns[1]), user_turns
+
+
+@pytest.fixture
+def openenv_server(verifiers_venv, tmp_path):
+    """An OpenEnv environment as OpenEnv's own CLI makes one (`openenv init`: its echo
+    environment, whose step reward is a tenth of the action message's length), served by uvicorn
+    from .venv-verifiers with room for 64 sessions at once (the template allows 1)."""
+    bin_dir = os.path.dirname(VERIFIERS_PYTHON)
+    run([f"{bin_dir}/openenv", "init", "echo_env", "--output-dir", str(tmp_path)], env=verifiers_venv)
+    app = tmp_path / "echo_env" / "server" / "app.py"
+    app.write_text(app.read_text().replace("max_concurrent_envs=1,", "max_concurrent_envs=64,"))
+    port = free_port()
+    server = subprocess.Popen([VERIFIERS_PYTHON, "-m", "uvicorn", "server.app:app", "--host", "127.0.0.1",
+                               "--port", str(port)], cwd=tmp_path / "echo_env", stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / "server.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"{url}/schema", timeout=1)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()
+                time.sleep(0.5)
+        yield url
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_an_openenv_server_is_played_through_verifiers_openenv_taskset(tiny, tmp_path, verifiers_venv,
+                                                                      openenv_server):
+    """rollout.environment verifiers:openenv against the OpenEnv server: each episode's first
+    prompt is the server's observation and action schema, each model turn is stepped as an
+    OpenEnv action, and the episode's reward is the sum of the server's step rewards (the echo
+    environment's: a tenth of each stepped reply's length), recorded on the sampled tokens."""
+    from test_rollout_agent import _check_logprobs, _check_rows
+
+    # a task per set of reset arguments: two (the echo environment takes none)
+    environment_config = {"taskset": {"base_url": openenv_server, "resets": [{}, {}]}, "player": {"max_turns": 3}}
+    data = tmp_path / "oe"
+    run([PYTHON, "tools/prepare_data.py", "--verifiers", "openenv", "--environment-config",
+         json.dumps(environment_config), "--out", str(data), "--train-size", "2", "--eval-size", "0"],
+        env=verifiers_venv)
+    out = tmp_path / "run"
+    overrides = tiny_overrides(tiny, out, **{
+        "data.train_file": data / "train.jsonl", "data.eval_file": "null", "rollout.environment": "verifiers:openenv",
+        "rollout.environment_config": json.dumps(environment_config), "rollout.max_turns": 3,
+        "rollout.max_new_tokens": 16, "rollout.max_model_len": 1024, "data.max_prompt_length": 128,
+        "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4, "checkpoint.save_hf_at_end": "false",
+        "rewards.functions": "[{name: agent}]"})
+    run([PYTHON, "tests/helpers/agent_probe.py", "--config", "configs/tiny_arith.yaml", *overrides],
+        env={**verifiers_venv, "PROBE_STEPS": "1"})
+    result = json.load(open(out / "agent_rank0.json"))
+    step = result["steps"][0]
+    assert step["agent/episodes"] == 8 and step["agent/failed_crash"] == step["agent/failed_timeout"] == 0
+    assert torch.isfinite(torch.tensor(step["loss"]))
+    tokenizer = AutoTokenizer.from_pretrained(tiny["warm"])
+    _check_rows(result, tokenizer, expect_python=False, between="user")
+    _check_logprobs(result)
+    for row in result["rows"]:
+        observation = json.loads(row["messages"][0]["content"])
+        assert observation["observation"]["echoed_message"] == "Echo Env environment ready!"
+        assert observation["action_schema"]["required"] == ["message"]
+        replies = [m["content"].strip() for m in row["messages"] if m["role"] == "assistant"]
+        assert row["failure"] == "" and replies
+        assert row["agent_reward"] == pytest.approx(sum(0.1 * len(reply) for reply in replies), abs=1e-4), replies
 
 
 def test_a_verifiers_environment_that_raises_or_is_missing_says_why(verifiers_venv, tmp_path, monkeypatch):

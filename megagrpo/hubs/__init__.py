@@ -6,8 +6,8 @@
 A TextArena name resolves to an environment class of megagrpo's own interface (rollout/tools.py:
 its public methods are the model's tools; reset, get_reward, close), so the built-in
 multi-turn loop runs it and the `environment` reward scores it. A verifiers taskset runs in
-verifiers' own machinery, as an outside agent (hubs/verifiers.py). docs/environments.md lists
-the hubs, and says why `openenv` environments are not adapted.
+verifiers' own machinery, as an outside agent (hubs/verifiers.py); so does an OpenEnv server,
+through verifiers' openenv taskset. docs/environments.md lists the hubs.
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from megagrpo.config.schema import ConfigError
 
 ADAPTED = {"textarena": "megagrpo.hubs.textarena"}
 OUTSIDE_AGENT = {"verifiers"}  # hubs whose environments run as outside agents (rollout/outside_agents.py)
-# hubs whose environments do not fit, and what to do instead (docs/environments.md)
+# hub names that are not a way in themselves, and the way in (docs/environments.md)
 NOT_ADAPTED = {
-    "openenv": "OpenEnv's packages ship no environments (each is a server from the Hugging Face Hub, "
-               "started by uv or Docker): wrap its client in a rollout.environment class, or run its agent "
-               "as an outside agent (docs/environments.md)",
+    "openenv": "OpenEnv environments are servers; megagrpo drives them through verifiers' openenv taskset: "
+               "rollout.environment: verifiers:openenv, with rollout.environment_config {taskset: {base_url: "
+               "http://HOST:PORT}} (docs/environments.md)",
 }
 
 

@@ -164,7 +164,9 @@ def write_rows(environment: str, overrides: dict, python: Optional[str], count: 
     rows = []
     for line in proc.stdout.splitlines():
         data = json.loads(line)
-        prompt = data.get("prompt", "")
+        # a task whose environment opens the conversation itself (verifiers' OpenEnv taskset) has
+        # no prompt: its name stands in, for megagrpo's logs; the environment never sees it
+        prompt = data.get("prompt") or data.get("name") or f"task {skip + len(rows)}"
         rows.append({("messages" if isinstance(prompt, list) else "prompt"): prompt,
                      "verifiers_task": json.dumps(data)})
     if len(rows) < count:
