@@ -317,6 +317,27 @@ def test_server_settings_refused_with_the_fix(tiny, tmp_path):
 
 
 @pytest.mark.multirank
+def test_an_outside_agent_generates_on_the_jobs_generating_rank(tiny, tmp_path):
+    """rollout.placement=disaggregated with rollout.agent: 2 training ranks, each with its own
+    endpoint, and 1 generating rank running the job's vLLM server. The `openai`-SDK agent's
+    episodes (3 model calls each) reach the server batched, and the trainer's log-probs equal
+    the server's."""
+    from test_outside_agents import AGENT, HELPERS
+
+    out = tmp_path / "agent"
+    run([f"{BIN}/deepspeed", "--num_gpus", "3", "--master_port", str(free_port()), "--module", "megagrpo.train",
+         "--config", "configs/tiny_arith.yaml", *tiny_overrides(tiny, out), *AGENT,
+         "rollout.agent=openai_tool_agent:solve_streaming", "rollout.placement=disaggregated", "rollout.ranks=1",
+         "grpo.max_steps=2", "checkpoint.save_steps=0"], env=HELPERS, timeout=600)
+    assert values(out, "train/agent/episodes") == [32.0] * 2  # 16 on each training rank
+    assert values(out, "train/agent/model_calls_per_episode") == [3.0] * 2
+    assert values(out, "train/agent/failed_crash") == values(out, "train/agent/failed_timeout") == [0.0] * 2
+    assert all(v > 1 for v in values(out, "train/agent/requests_per_generator_call_max"))
+    assert max(values(out, "train/sampling/sampling_logp_difference/max")) < 1e-4
+    assert len(values(out, "train/loss")) == 2
+
+
+@pytest.mark.multirank
 def test_generating_ranks_in_the_job_equal_colocated(tiny, tmp_path, colocated):
     """rollout.placement=disaggregated: 3 ranks through the deepspeed launcher, ranks 0-1 train
     (ZeRO-3) in a world of their own and rank 2 runs the job's vLLM server, meeting them in the
