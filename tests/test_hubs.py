@@ -288,3 +288,21 @@ def test_a_verifiers_environment_that_raises_or_is_missing_says_why(verifiers_ve
         VerifiersRunner("verifiers:no-such-env", {}).start()
     with pytest.raises(ConfigError, match="rollout.verifiers_python: .* launch/install_hub.sh verifiers"):
         hub_python(str(tmp_path / "python"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.environment_config={taskset: {seed: 1}}"], "rollout.environment_config and rollout.verifiers_python "
+                                                          "are a verifiers environment's"),
+    (["rollout.environment=verifiers:vf-arith", "rollout.agent=my_agents:solve"],
+     "rollout.agent, rollout.agent_command and a verifiers rollout.environment each start the episodes' program"),
+    (["rollout.environment=verifiers:vf-arith", "rollout.environment_config={taskset: {id: other}}"],
+     "rollout.environment_config.taskset.id 'other' differs from rollout.environment 'verifiers:vf-arith'"),
+    (["rollout.environment=verifiers:vf-arith", "rewards.functions=[{name: environment}]"],
+     "which a verifiers environment does not have: its reward is the 'agent' reward"),
+])
+def test_verifiers_settings_that_do_not_fit_are_refused(overrides, message, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, ["rollout.max_turns=3", "model.name_or_path=org/m", f"data.train_file={data}",
+                           "deepspeed={}", *overrides], training=False)

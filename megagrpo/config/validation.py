@@ -87,6 +87,9 @@ def check_config(cfg: Config, training: bool = True, planning: bool = False) -> 
             "rewards.functions: the 'environment' reward reads the get_reward() of rollout.environment, "
             + ("which a verifiers environment does not have: its reward is the 'agent' reward"
                if verifiers else "which is not set; set rollout.environment=module:Class or remove the reward"))
+    require(verifiers or not (cfg.rollout.environment_config or cfg.rollout.verifiers_python),
+            "rollout.environment_config and rollout.verifiers_python are a verifiers environment's "
+            "(rollout.environment: verifiers:TASKSET), which is not set; remove them")
     require(not any(fn.name == "agent" for fn in cfg.rewards.functions)
             or bool(cfg.rollout.agent or cfg.rollout.agent_command or verifiers),
             "rewards.functions: the 'agent' reward is an outside agent's result, and neither rollout.agent nor "
