@@ -160,6 +160,21 @@ def verifiers_venv():
     return {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/tests/helpers"}  # vf_arith: the taskset vf-arith
 
 
+def _probe_a_step(tiny, tmp_path, env, data, taskset: str, overrides: dict) -> dict:
+    """A training step and a recorded rollout of 8 episodes (2 prompts x 4) of a verifiers
+    taskset, through tests/helpers/agent_probe.py: its result (agent_rank0.json)."""
+    out = tmp_path / "run"
+    overrides = tiny_overrides(tiny, out, **{
+        "data.train_file": data / "train.jsonl", "data.eval_file": "null",
+        "rollout.environment": f"verifiers:{taskset}", "rollout.max_turns": 3, "rollout.max_new_tokens": 16,
+        "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4, "checkpoint.save_hf_at_end": "false",
+        "rewards.functions": "[{name: agent}]",
+        **overrides})
+    run([PYTHON, "tests/helpers/agent_probe.py", "--config", "configs/tiny_arith.yaml", *overrides],
+        env={**env, "PROBE_STEPS": "1"})
+    return json.load(open(out / "agent_rank0.json"))
+
+
 def test_a_verifiers_environment_trains_through_the_endpoint_on_the_sampled_tokens(tiny, tmp_path, verifiers_venv):
     """tests/helpers/vf_arith, a two-turn verifiers environment, written by prepare_data.py and
     run by verifiers' own runner, harness and interception server against megagrpo's endpoint:
@@ -174,15 +189,7 @@ def test_a_verifiers_environment_trains_through_the_endpoint_on_the_sampled_toke
     first = json.loads(open(data / "train.jsonl").readline())
     task = json.loads(first["verifiers_task"])
     assert first["prompt"] == task["prompt"] and task["name"] == "vf-arith#0" and len(task["answers"]) == 2
-    out = tmp_path / "run"
-    overrides = tiny_overrides(tiny, out, **{
-        "data.train_file": data / "train.jsonl", "data.eval_file": "null", "rollout.environment": "verifiers:vf-arith",
-        "rollout.max_turns": 3, "rollout.max_new_tokens": 16, "rollout.max_model_len": 512,
-        "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4, "checkpoint.save_hf_at_end": "false",
-        "rewards.functions": "[{name: agent}]"})
-    run([PYTHON, "tests/helpers/agent_probe.py", "--config", "configs/tiny_arith.yaml", *overrides],
-        env={**verifiers_venv, "PROBE_STEPS": "1"})
-    result = json.load(open(out / "agent_rank0.json"))
+    result = _probe_a_step(tiny, tmp_path, verifiers_venv, data, "vf-arith", {"rollout.max_model_len": 512})
     step = result["steps"][0]
     assert step["agent/episodes"] == 8 and step["agent/model_calls_per_episode"] == 2
     assert step["agent/prefix_mismatches_per_episode"] == 0  # verifiers sends the turns back as sampled
@@ -239,16 +246,9 @@ def test_an_openenv_server_is_played_through_verifiers_openenv_taskset(tiny, tmp
     run([PYTHON, "tools/prepare_data.py", "--verifiers", "openenv", "--environment-config",
          json.dumps(environment_config), "--out", str(data), "--train-size", "2", "--eval-size", "0"],
         env=verifiers_venv)
-    out = tmp_path / "run"
-    overrides = tiny_overrides(tiny, out, **{
-        "data.train_file": data / "train.jsonl", "data.eval_file": "null", "rollout.environment": "verifiers:openenv",
-        "rollout.environment_config": json.dumps(environment_config), "rollout.max_turns": 3,
-        "rollout.max_new_tokens": 16, "rollout.max_model_len": 1024, "data.max_prompt_length": 128,
-        "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4, "checkpoint.save_hf_at_end": "false",
-        "rewards.functions": "[{name: agent}]"})
-    run([PYTHON, "tests/helpers/agent_probe.py", "--config", "configs/tiny_arith.yaml", *overrides],
-        env={**verifiers_venv, "PROBE_STEPS": "1"})
-    result = json.load(open(out / "agent_rank0.json"))
+    result = _probe_a_step(tiny, tmp_path, verifiers_venv, data, "openenv", {
+        "rollout.environment_config": json.dumps(environment_config), "rollout.max_model_len": 1024,
+        "data.max_prompt_length": 128})
     step = result["steps"][0]
     assert step["agent/episodes"] == 8 and step["agent/failed_crash"] == step["agent/failed_timeout"] == 0
     assert torch.isfinite(torch.tensor(step["loss"]))
