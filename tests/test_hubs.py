@@ -183,6 +183,9 @@ def test_a_verifiers_environment_trains_through_the_endpoint_on_the_sampled_toke
     reward; a training step runs on them."""
     from test_rollout_agent import _check_logprobs, _check_rows
 
+    def stated(reply: str) -> str:  # the answer a reply states, as vf_arith reads it
+        return reply.rsplit("Answer:", 1)[-1].strip() if "Answer:" in reply else ""
+
     data = tmp_path / "vf"
     run([PYTHON, "tools/prepare_data.py", "--verifiers", "vf-arith", "--out", str(data), "--train-size", "32",
          "--eval-size", "4"], env=verifiers_venv)
@@ -198,10 +201,14 @@ def test_a_verifiers_environment_trains_through_the_endpoint_on_the_sampled_toke
     tokenizer = AutoTokenizer.from_pretrained(tiny["warm"])
     assert _check_rows(result, tokenizer, expect_python=False, between="user") == len(result["rows"])
     _check_logprobs(result)
-    for row in result["rows"]:
-        assert row["turns"] == 2 and row["failure"] == "" and row["agent_reward"] in (0.0, 0.5, 1.0)
-        user_turns = [m["content"] for m in row["messages"] if m["role"] == "user"]
-        assert len(user_turns) == 2 and re.fullmatch(r"What is \d \+ \d\?", user_turns[1]), user_turns
+    for row in result["rows"]:  # the reward is the environment's: the share of its two sums answered right
+        assert row["turns"] == 2 and row["failure"] == ""
+        questions = [re.fullmatch(r"What is (\d) \+ (\d)\?", m["content"])
+                     for m in row["messages"] if m["role"] == "user"]
+        replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert len(questions) == len(replies) == 2 and all(questions), row["messages"]
+        right = [stated(reply) == str(int(q.group(1)) + int(q.group(2))) for q, reply in zip(questions, replies)]
+        assert row["agent_reward"] == sum(right) / 2, (replies, row["agent_reward"])
 
 
 @pytest.fixture

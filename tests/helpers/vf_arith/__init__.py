@@ -1,14 +1,19 @@
 """A verifiers environment, written against verifiers' own API as an environment package on its
 Environments Hub is (tests/test_hubs.py runs it from .venv-verifiers): two additions in the tiny
 model's format, the second asked as the user's next turn once the model has answered the first.
-The reward is the share of the two answered right. With `--env.taskset.fail` set, every
-episode's run raises, as a broken environment does.
+The reward is the share of the two answered right ("Answer: N", the tiny model's format). With
+`--env.taskset.fail` set, every episode's run raises, as a broken environment does.
 
 Taskset id: vf-arith (this module, on PYTHONPATH)."""
 import itertools
 import random
 
 import verifiers.v1 as vf
+
+
+def stated(reply: str) -> str:
+    """The answer a reply states: what follows its last "Answer:" (the tiny model's format)."""
+    return reply.rsplit("Answer:", 1)[-1].strip() if "Answer:" in reply else ""
 
 
 class ArithData(vf.TaskData):
@@ -53,7 +58,7 @@ class ArithEnv(vf.Env[ArithEnvConfig]):
                 segment = await interaction.turn(task.data.follow_up)
                 if not segment.terminated:
                     replies.append(segment.last_reply)
-        right = sum(reply.strip() == answer for answer, reply in zip(task.data.answers, replies))
+        right = sum(stated(reply) == answer for answer, reply in zip(task.data.answers, replies))
         interaction.trace.record_reward("right", right / 2, 1.0)
 
 
