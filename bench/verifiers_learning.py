@@ -15,6 +15,7 @@ Prints a table, writes JSON (bench/results/verifiers_learning.json).
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ def main() -> int:
     args = p.parse_args()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/tests/helpers", "PYTHONUNBUFFERED": "1"}
     data = os.path.join(args.out, "data")
+    shutil.rmtree(os.path.join(args.out, "grpo"), ignore_errors=True)  # a fresh run, not a resumed one
     subprocess.run([sys.executable, "tools/prepare_data.py", "--verifiers", "vf-arith", "--out", data,
                     "--train-size", "512", "--eval-size", "32"], cwd=ROOT, env=env, check=True)
     started = time.time()
