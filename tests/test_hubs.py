@@ -273,8 +273,9 @@ def test_an_openenv_server_is_played_through_verifiers_openenv_taskset(tiny, tmp
 
 def test_a_verifiers_environment_that_raises_or_is_missing_says_why(verifiers_venv, tmp_path, monkeypatch):
     """An environment whose run raises: each episode fails with verifiers' reason (the outside
-    agent's "crash", scored 0), and the runner goes on serving; a taskset verifiers cannot find
-    stops the start with its one-line reason; a missing venv is a config error naming the fix."""
+    agent's "crash", scored 0), and the runner goes on serving; a runner that dies fails its
+    episodes at once, naming its exit; a taskset verifiers cannot find stops the start with its
+    one-line reason; a missing venv is a config error naming the fix."""
     from megagrpo.hubs.verifiers import VerifiersRunner, hub_python
 
     monkeypatch.setenv("PYTHONPATH", verifiers_venv["PYTHONPATH"])  # the runner inherits it
@@ -290,7 +291,14 @@ def test_a_verifiers_environment_that_raises_or_is_missing_says_why(verifiers_ve
             runner(base_url="http://127.0.0.1:9/v1", api_key="k", model="policy", task={"fields": {}})
     finally:
         runner.close()
-    assert runner.process.returncode == 0
+    assert runner.process.returncode == 0  # its input closed, it ended cleanly
+    runner = VerifiersRunner("verifiers:vf-arith", {})
+    runner.start()
+    runner.process.kill()  # a runner that dies: its episodes, and every later one, fail at once
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"the verifiers runner ended \(exit code -9"):
+            runner(base_url="http://127.0.0.1:9/v1", api_key="k", model="policy", task=task)
+    runner.close()
     with pytest.raises(RuntimeError, match="the verifiers runner did not come up .*taskset 'no-such-env' not found"):
         VerifiersRunner("verifiers:no-such-env", {}).start()
     with pytest.raises(ConfigError, match="rollout.verifiers_python: .* launch/install_hub.sh verifiers"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -67,6 +68,7 @@ class VerifiersRunner:
         self.process: Optional[subprocess.Popen] = None
         self.lock, self.next_id = threading.Lock(), 0
         self.waiting: dict = {}   # request id -> [threading.Event, answer]
+        self.ended = False        # the runner's output closed: no answer will come any more
         self.stderr = collections.deque(maxlen=40)  # its last lines, for a failure's message
 
     def start(self) -> None:
@@ -105,9 +107,11 @@ class VerifiersRunner:
             if entry is not None:
                 entry[1] = answer
                 entry[0].set()
-        ready.set()  # the runner ended: everyone waiting fails with its reason
-        for entry in list(self.waiting.values()):
-            entry[0].set()
+        ready.set()  # the runner ended: everyone waiting, and every later episode, fails with its reason
+        with self.lock:
+            self.ended = True
+            for entry in self.waiting.values():
+                entry[0].set()
 
     def _reason(self) -> str:
         code = self.process.poll() if self.process else None
@@ -121,6 +125,8 @@ class VerifiersRunner:
         with self.lock:
             if self.process is None:
                 self.start()
+            if self.ended or self.process.poll() is not None:
+                raise RuntimeError(f"the verifiers runner ended ({self._reason()})")
             self.next_id += 1
             request_id, entry = self.next_id, [threading.Event(), None]
             self.waiting[request_id] = entry
@@ -131,7 +137,9 @@ class VerifiersRunner:
             except OSError:
                 pass  # the runner is gone: the reader has already woken everyone
         try:
-            entry[0].wait()
+            # a runner that died may leave a child holding its output open: look at it as well
+            while not entry[0].wait(1.0) and self.process.poll() is None:
+                pass
         finally:
             self.waiting.pop(request_id, None)
         answer = entry[1]
@@ -142,6 +150,8 @@ class VerifiersRunner:
         return {"reward": answer["reward"]}
 
     def close(self) -> None:
+        """Close the runner's input (it ends its episodes and exits), then end whatever of its
+        session is left (harness programs, interception workers)."""
         if self.process is None:
             return
         try:
@@ -150,6 +160,10 @@ class VerifiersRunner:
         except (OSError, subprocess.TimeoutExpired):
             self.process.kill()
             self.process.wait()
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def write_rows(environment: str, overrides: dict, python: Optional[str], count: int, skip: int) -> list[dict]:
