@@ -31,6 +31,8 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
     p.add_argument("--generations", type=int, default=4, help="episodes per prompt (default 4)")
     p.add_argument("--learning-rate", type=float, default=5e-4, help="(default 5e-4)")
+    p.add_argument("--turns", type=int, default=2, choices=[1, 2],
+                   help="questions an episode asks (default 2; 1: the tiny quickstart's task through verifiers)")
     args = p.parse_args()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/tests/helpers", "PYTHONUNBUFFERED": "1"}
     data = os.path.join(args.out, "data")
@@ -42,7 +44,9 @@ def main() -> int:
                     f"model.name_or_path={os.path.join(args.tiny, 'warm')}",
                     f"data.train_file={data}/train.jsonl", f"data.eval_file={data}/eval.jsonl",
                     f"output_dir={args.out}/grpo", "logging.progress_bar=false",
-                    "rollout.environment=verifiers:vf-arith", "rollout.max_turns=2", "rollout.max_new_tokens=16",
+                    "rollout.environment=verifiers:vf-arith",
+                    f"rollout.environment_config={{taskset: {{turns: {args.turns}}}}}",
+                    f"rollout.max_turns={args.turns}", "rollout.max_new_tokens=16",
                     "rollout.max_model_len=256", f"grpo.num_generations={args.generations}",
                     f"grpo.per_device_train_batch_size={args.prompts * args.generations}",
                     f"grpo.learning_rate={args.learning_rate}", f"grpo.max_steps={args.steps}",
@@ -53,6 +57,7 @@ def main() -> int:
     rows = [json.loads(line) for line in open(os.path.join(args.out, "grpo", "metrics.jsonl"))]
     steps = [row for row in rows if "train/agent/episodes" in row]
     figures = {
+        "turns": args.turns,
         "held_out_reward_before": results["before"]["rewards/agent"],
         "held_out_reward_after": results["after"]["rewards/agent"],
         "steps": args.steps, "episodes_per_step": args.prompts * args.generations,

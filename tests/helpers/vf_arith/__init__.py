@@ -2,7 +2,8 @@
 Environments Hub is (tests/test_hubs.py runs it from .venv-verifiers): two additions in the tiny
 model's format, the second asked as the user's next turn once the model has answered the first.
 The reward is the share of the two answered right ("Answer: N", the tiny model's format). With
-`--env.taskset.fail` set, every episode's run raises, as a broken environment does.
+`--env.taskset.turns 1` only the first is asked; with `--env.taskset.fail` set, every
+episode's run raises, as a broken environment does.
 
 Taskset id: vf-arith (this module, on PYTHONPATH)."""
 import itertools
@@ -27,6 +28,7 @@ class ArithTask(vf.Task[ArithData, vf.State, vf.TaskConfig]):
 
 class ArithConfig(vf.TasksetConfig):
     seed: int = 0
+    turns: int = 2  # 1: only the first question (the tiny quickstart's task, asked through verifiers)
     fail: bool = False
 
 
@@ -50,16 +52,17 @@ class ArithEnv(vf.Env[ArithEnvConfig]):
     async def run(self, task, agents):
         if self.taskset.config.fail:
             raise RuntimeError("vf-arith was told to fail")
-        replies = []
+        turns, replies = self.taskset.config.turns, []
         async with agents.player.interaction(task) as interaction:
             segment = await interaction.turn()
             if not segment.terminated:
                 replies.append(segment.last_reply)
-                segment = await interaction.turn(task.data.follow_up)
-                if not segment.terminated:
-                    replies.append(segment.last_reply)
+                if turns > 1:
+                    segment = await interaction.turn(task.data.follow_up)
+                    if not segment.terminated:
+                        replies.append(segment.last_reply)
         right = sum(stated(reply) == answer for answer, reply in zip(task.data.answers, replies))
-        interaction.trace.record_reward("right", right / 2, 1.0)
+        interaction.trace.record_reward("right", right / turns, 1.0)
 
 
 __all__ = ["ArithTaskset", "ArithEnv"]
