@@ -166,7 +166,8 @@ def test_a_pydantic_ai_agent_through_the_endpoint_keeps_the_sampled_tokens(tiny,
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["rollout.agent=openai_tool_agent:solve", "rollout.agent_command=python x.py"], "both set"),
+    (["rollout.agent=openai_tool_agent:solve", "rollout.agent_command=python x.py"],
+     "each start the episodes' program: give one"),
     (["rollout.agent=openai_tool_agent:solve", "rollout.tools=[python]", "rollout.max_turns=3"], "its own tools"),
     (["rollout.agent=openai_tool_agent:nothing"], "rollout.agent: module 'openai_tool_agent' has no 'nothing'"),
     (["rollout.agent_command=python \"x"], "does not parse as a command"),

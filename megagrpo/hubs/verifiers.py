@@ -114,7 +114,12 @@ class VerifiersRunner:
                 entry[0].set()
 
     def _reason(self) -> str:
-        code = self.process.poll() if self.process else None
+        code = None
+        if self.process is not None:
+            try:  # a runner whose output has closed is exiting: its code comes within moments
+                code = self.process.wait(timeout=5 if self.ended else 0)
+            except subprocess.TimeoutExpired:
+                pass
         tail = " | ".join(line for line in list(self.stderr)[-6:] if line.strip())
         return (f"exit code {code}" if code is not None else "still running") + (f": {tail}" if tail else "")
 
