@@ -42,7 +42,7 @@ def load_env(env_config: dict):
     from verifiers.v1.configs.agent import AgentConfig
     from verifiers.v1.utils.loaders import env_config_type, load_environment, resolve_env_config
 
-    config = json.loads(json.dumps(env_config))
+    config = env_config  # this process's own copy, parsed from its command line
     config_type = env_config_type(config["taskset"]["id"], config.get("id") or "")
     for name, field in config_type.model_fields.items():
         if isinstance(field.default, AgentConfig):
