@@ -41,6 +41,9 @@ def memory_verdict(plan: Plan, cfg: Config, ranks_per_node: int, node_bytes: int
         switches.append(f"a smaller grpo.max_tokens_per_microbatch (activations {_gib(activations)} grow with it)")
     if cfg.grpo.kl_coef > 0 and plan.peak["reference"]:
         switches.append(f"grpo.kl_coef=0 (no reference model: {_gib(plan.peak['reference'])})")
+    if plan.peak["teacher"]:
+        switches.append(f"teacher.offload=true under ZeRO-3, or the teacher served apart with teacher.url (the "
+                        f"teacher holds {_gib(plan.peak['teacher'])} here)")
     if plan.peak["logprob_head"] > 0.1 * total and cfg.grpo.logprob_chunk_size > 128:
         switches.append(f"a smaller grpo.logprob_chunk_size (the log-prob head's "
                         f"{_gib(plan.peak['logprob_head'])} grow with it)")

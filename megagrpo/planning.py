@@ -16,7 +16,8 @@ ZeRO stage 1 splits the optimizer state over the ZeRO partitions (dp x sp ranks)
 gradients too, stage 3 the weights too. Gradients are counted as held during the backward:
 between steps ZeRO 1 and 2 free them, so the model state measured at rest there is lower by
 the gradient bytes (bench/parallel_memory.py shows both stages). The frozen reference model
-(when kl_coef > 0) holds weights only; the co-located vLLM engine holds its share of the
+(when kl_coef > 0) holds weights only, and so does a distillation teacher (teacher.model, its
+own parameters, laid out as the reference is); the co-located vLLM engine holds its share of the
 weights (split over rollout.tensor_parallel_size) plus its KV cache, and nothing when
 rollout.servers or a disaggregated placement generate. A LoRA policy (model.lora) trains its
 adapters only: gradients and optimizer state are the adapters' (r x (in + out) per adapted
@@ -32,9 +33,9 @@ of 2 ranks equal this count (ZeRO 1 and 3, e 1 and 2, every parameter partitione
 stage3_param_persistence_threshold). The reference is laid out like the policy under ZeRO-3
 (AutoEP included), else a plain module holding every expert; the vLLM engine holds every
 expert (split by its own tp). What ZeRO offloads (offload_optimizer, offload_param;
-model.ref_offload for a ZeRO-3 reference) lives in host memory: on GPUs the peak leaves it out,
-and the optimizer step, which runs there (DeepSpeed's CPU Adam), with it. The peak's parts,
-each measured: docs/parallelism.md.
+model.ref_offload for a ZeRO-3 reference, teacher.offload for a teacher) lives in host
+memory: on GPUs the peak leaves it out, and the optimizer step, which runs there (DeepSpeed's
+CPU Adam), with it. The peak's parts, each measured: docs/parallelism.md.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class Plan:
     params_total: int
     params_sharded: int          # split by tensor parallelism
     params_trained: int          # with gradients and optimizer state (a LoRA policy: its adapters)
-    bytes_per_rank: dict         # bytes: params, grads, optimizer, reference, rollout_weights
+    bytes_per_rank: dict         # bytes: params, grads, optimizer, reference, teacher, rollout_weights
     ranks: list                  # (rank, dp_rank, tp_rank, pp_stage)
     peak: dict = field(default_factory=dict)  # bytes held at a rank's peak, by what holds them
     lora: bool = False
@@ -196,6 +197,10 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     weight_b, grad_b, optim_b = BYTES[cfg.model.dtype]
     generator_tp = generator_layout(cfg).generator_tp
     reference = cfg.grpo.kl_coef > 0 and not lora
+    teacher_local = 0
+    if cfg.teacher.model:  # one rank's share before ZeRO, as the policy's
+        teacher_counts = parameter_counts(cfg.teacher.model)
+        teacher_local = teacher_counts["sharded"] // tp + (teacher_counts["total"] - teacher_counts["sharded"])
     shares = {
         "params": split(held_dense, rank_experts, weight_b, stage >= 3),
         "grads": split(trained_dense, trained_experts, grad_b, stage >= 2),
@@ -203,6 +208,8 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
         # under ZeRO-3 an engine laid out like the policy (AutoEP included); else a plain module, whole
         "reference": ((split(dense, rank_experts, weight_b, True) if stage >= 3
                        else split(dense, experts, weight_b, False)) if reference else (0, 0)),
+        # a distillation teacher (teacher.model), laid out as the reference is
+        "teacher": split(teacher_local, 0, weight_b, stage >= 3) if cfg.teacher.model else (0, 0),
         # vLLM's share: its tp group splits every layer (every expert), the embedding and the head by vocabulary
         "rollout_weights": (0, 0) if r.servers or generating else (-(-total * weight_b // generator_tp),
                                                                     experts * weight_b // generator_tp),
@@ -212,7 +219,8 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     offloaded = {key: setting for key, setting, held_on_host in (
         ("optimizer", "offload_optimizer", stage >= 1 and _offloads(zero.get("offload_optimizer"))),
         ("params", "offload_param", stage >= 3 and _offloads(zero.get("offload_param"))),
-        ("reference", "model.ref_offload", stage >= 3 and cfg.model.ref_offload and bytes_per_rank["reference"]))
+        ("reference", "model.ref_offload", stage >= 3 and cfg.model.ref_offload and bytes_per_rank["reference"]),
+        ("teacher", "teacher.offload", stage >= 3 and cfg.teacher.offload and bytes_per_rank["teacher"]))
         if held_on_host}
     layout = Topology(trainers, 0, 0, tp, pp, sp)
     ranks = [(rank, place.dp_rank, place.tp_rank, place.pp_rank, place.sp_rank) for rank in range(trainers)
@@ -357,6 +365,7 @@ def peak_memory(cfg: Config, plan: Plan, trained_params: int, tokens: Optional[i
         "gradient_reduction": _reduction_bytes(zero, plan, trained_params, weight_b),
         "optimizer_step": 0 if "optimizer" in on_host else _step_bytes(plan, cfg.model.dtype),
         "reference": 0 if "reference" in on_host else plan.bytes_per_rank["reference"],
+        "teacher": 0 if "teacher" in on_host else plan.bytes_per_rank["teacher"],
         "gathered_params": _gathered_bytes(zero, plan, weight_b),
         "rollout": engine_bytes(cfg, plan.bytes_per_rank["rollout_weights"]),
         "activations": tokens * activation_bytes_per_token(config, layers, cfg.model.dtype,

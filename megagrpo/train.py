@@ -4,7 +4,8 @@ Runs as one process, under `deepspeed --num_gpus N --module megagrpo.train`, or 
 One step:
     prompts -> rollout (G completions each; multi-turn with tools: rollout/agent.py)
     -> rewards -> group advantages
-    -> reference (and old-policy) logprobs -> num_iterations passes of clipped, KL-penalised updates
+    -> reference (and old-policy, and a distillation teacher's) logprobs
+    -> num_iterations passes of clipped, KL-penalised updates
     -> weight sync into the generator -> metrics, checkpoint
 The policy (policy/) hides the parallel layout, ZeRO and LoRA: this loop is the same for all.
 """
@@ -27,7 +28,7 @@ from megagrpo.cluster.generator_layout import generator_layout
 from megagrpo.cluster.placement import Placement
 from megagrpo.cluster.topology import Topology
 from megagrpo.config.loading import to_dict
-from megagrpo.config.schema import Config, ConfigError
+from megagrpo.config.schema import Config, ConfigError, has_teacher
 from megagrpo.console import quiet_library_output
 from megagrpo.data import DataError, PromptOrder
 from megagrpo.doctor import Doctor
@@ -39,6 +40,7 @@ from megagrpo.policy.batch import make_batch
 from megagrpo.process_exit import exit_without_teardown, run_rank
 from megagrpo.rewards import RewardError, component_metrics
 from megagrpo.rollout.serving import serve
+from megagrpo.rollout.teacher_server import TeacherServer
 from megagrpo.rollout.weight_sync import sync_weights
 from megagrpo.run_logs import read_series
 from megagrpo.stack import SampledGroups, build_rollout_stack
@@ -64,8 +66,9 @@ class Trainer:
                                         topology.dp_rank, topology.dp_size, g.seed, cfg.data.shuffle)
         self.total_steps = g.max_steps if g.max_steps > 0 else max(
             1, math.ceil(g.num_train_epochs * self.prompt_order.steps_per_epoch))
-        self.policy = build_policy(cfg, topology, self.total_steps)
+        self.policy = build_policy(cfg, topology, self.total_steps)  # (and teacher.model's teacher)
         startup.lap("policy")
+        self.teacher_server = TeacherServer(cfg, self.tokenizer, self.log) if cfg.teacher.url else None
         # vLLM's start-up runs five full GCs: with our objects frozen first, each takes ms, not 0.4 s
         gc.freeze()
         # every rank builds its generator (shard); a generator group's ranks make the same calls;
@@ -122,6 +125,8 @@ class Trainer:
         if self.topo.is_main and results:
             evaluation.write_results(cfg.output_dir, results)
         self.stack.close()
+        if self.teacher_server is not None:
+            self.teacher_server.close()
         self.metrics.close()
         self.log(f"done: {self.step} steps. {self.metrics.how_to_watch()}")
         return results
@@ -162,6 +167,10 @@ class Trainer:
         if g.num_iterations > 1:
             batch.old_logp = self.policy.logprobs(batch, micro_batches)
         clock.lap("reference")
+        if has_teacher(self.cfg):  # on-policy distillation: the teacher scores every sampled token
+            batch.teacher_logp = (self.teacher_server.logprobs(batch) if self.teacher_server is not None
+                                  else self.policy.logprobs(batch, micro_batches, teacher=True))
+            clock.lap("teacher")
 
         # policy update: num_iterations passes, one optimizer step each; a moving reference follows it
         metrics = self.policy.optimize(batch, micro_batches)

@@ -14,6 +14,7 @@ from megagrpo.doctor import check_doctor
 from megagrpo.metrics import check_report_to
 from megagrpo.policy.lora import check_lora
 from megagrpo.policy.moe import check_moe
+from megagrpo.policy.teacher import check_teacher
 from megagrpo.rewards import check_reward_names
 from megagrpo.rollout.outside_agents import check_outside_agent
 from megagrpo.rollout.tools import check_tools
@@ -26,6 +27,7 @@ def validate(cfg: Config, training: bool = True, planning: bool = False) -> Gene
     check_config(cfg, training, planning)
     check_lora(cfg)
     check_moe(cfg)
+    check_teacher(cfg)
     check_report_to(cfg.logging.report_to)
     check_doctor(cfg.doctor)
     check_reward_names(cfg.rewards.functions)

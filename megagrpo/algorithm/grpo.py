@@ -3,6 +3,7 @@
 Pure tensor math with no distributed code, checkable against the formulas by reading it:
 
     A_i    = (r_i - mean(r_group)) [/ std]                      group_advantages
+    A_it   = w_task * A_i + coef * (logp_teacher - logp_old)    distillation_advantages (a teacher)
     ratio  = exp(logp - logp_old)                   token level (GRPO/DAPO)
            = exp(mean_t(logp - logp_old))           sequence level (GSPO), one per sequence
     policy term per token, by loss_type:
@@ -40,6 +41,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     elif scale != "none":
         raise ValueError(f"scale_rewards: unknown value {scale!r}")
     return centered.reshape(-1)
+
+
+def distillation_advantages(advantages: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor,
+                            coef: float, task_weight: float) -> torch.Tensor:
+    """On-policy distillation's per-token advantages (B, T): the group advantages (B,) weighted
+    by task_weight, plus coef x (log p_teacher - log p_old) on each sampled token, the negative
+    of the per-token reverse KL(policy || teacher) estimate. Without gradient."""
+    return (task_weight * advantages.unsqueeze(1) + coef * (teacher_logp - old_logp)).detach()
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -105,8 +114,9 @@ def per_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch
                    delta: Optional[float] = None, sapo_temperatures: tuple[float, float] = (1.0, 1.05),
                    kl_bias_correction: bool = False, keep: Optional[torch.Tensor] = None) -> TokenLoss:
     """The policy term of `loss_type` plus the KL penalty per token (module docstring). Shapes
-    (B, T); advantages (B,); `mask` (needed at sequence level) marks the completion tokens."""
-    adv = advantages.unsqueeze(1)
+    (B, T); advantages (B,), or (B, T) per token (distillation); `mask` (needed at sequence
+    level) marks the completion tokens."""
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     log_ratio = logp - old_logp
     if level == "sequence":
         log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from megagrpo.algorithm import grpo
-from megagrpo.config.schema import GRPOConfig
+from megagrpo.config.schema import GRPOConfig, TeacherConfig
 
 
 class StepStats:
@@ -69,9 +69,10 @@ class LossInputs:
     sampler_logp: torch.Tensor
     old_logp: Optional[torch.Tensor]    # None: the policy's own (detached), num_iterations = 1
     ref_logp: Optional[torch.Tensor]    # None: no KL term
+    teacher_logp: Optional[torch.Tensor] = None  # a distillation teacher's; None: no teacher
 
 
-def declare_stats(stats: StepStats, g: GRPOConfig) -> None:
+def declare_stats(stats: StepStats, g: GRPOConfig, teacher: Optional[TeacherConfig] = None) -> None:
     """Name every statistic up front, so that ranks that record none (pipeline stages before
     the last) still take part in the same reductions."""
     means = ["entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
@@ -86,15 +87,23 @@ def declare_stats(stats: StepStats, g: GRPOConfig) -> None:
         means.append("sampling/off_policy_masked")
     if g.top_entropy_quantile < 1:
         means.append("entropy/masked")
+    if teacher is not None:
+        means += ["teacher/reverse_kl", "teacher/disagreement", "teacher/advantage"]
     stats.declare(means, extrema)
 
 
 def micro_batch_loss(g: GRPOConfig, logp: torch.Tensor, entropy: torch.Tensor, inputs: LossInputs,
-                     normalisers: dict, share: float, stats: Optional[StepStats]) -> torch.Tensor:
+                     normalisers: dict, share: float, stats: Optional[StepStats],
+                     teacher: Optional[TeacherConfig] = None) -> torch.Tensor:
     """This micro-batch's share of the step loss (normalised for the whole step, see
-    grpo.aggregate), recording its statistics in `stats` when given."""
+    grpo.aggregate), recording its statistics in `stats` when given. teacher: on-policy
+    distillation, whose per-token advantages (inputs.teacher_logp) replace the group's."""
     mask = inputs.completion_mask
     old_logp = inputs.old_logp if inputs.old_logp is not None else logp.detach()
+    advantages = inputs.advantages
+    if teacher is not None:
+        advantages = grpo.distillation_advantages(inputs.advantages, old_logp, inputs.teacher_logp,
+                                                  teacher.coef, teacher.task_weight)
     is_weights = None
     if g.importance_sampling_correction != "none":
         is_weights = grpo.importance_weights(old_logp, inputs.sampler_logp, mask, g.importance_sampling_correction,
@@ -109,7 +118,7 @@ def micro_batch_loss(g: GRPOConfig, logp: torch.Tensor, entropy: torch.Tensor, i
     for factor in keep.values():
         kept = factor if kept is None else kept * factor
     epsilon_high = g.epsilon_high if g.epsilon_high is not None else g.epsilon
-    token = grpo.per_token_loss(logp, old_logp, inputs.advantages, g.epsilon, epsilon_high,
+    token = grpo.per_token_loss(logp, old_logp, advantages, g.epsilon, epsilon_high,
                                 g.kl_coef, inputs.ref_logp, is_weights, mask=mask, loss_type=g.loss_type,
                                 level=g.importance_sampling_level, delta=g.delta,
                                 sapo_temperatures=(g.sapo_temperature_pos, g.sapo_temperature_neg),
@@ -121,6 +130,8 @@ def micro_batch_loss(g: GRPOConfig, logp: torch.Tensor, entropy: torch.Tensor, i
     loss = loss * share
     if stats is not None:
         _record(stats, inputs, loss, token, entropy, old_logp, is_weights, keep)
+        if teacher is not None:
+            _record_teacher(stats, inputs, old_logp, advantages, teacher.disagreement_nats)
     return loss
 
 
@@ -142,3 +153,13 @@ def _record(stats, inputs, loss, token, entropy, old_logp, is_weights, keep) -> 
         stats.add_extrema("sampling/importance_sampling_ratio", is_weights.expand_as(mask), mask)
     for name, factor in keep.items():  # the share of the tokens each one left out
         stats.add_mean(name, 1 - factor.expand_as(mask), mask)
+
+
+def _record_teacher(stats, inputs, old_logp, advantages, disagreement_nats: float) -> None:
+    """The per-token reverse KL(policy || teacher) estimate, the share of tokens the teacher
+    finds disagreement_nats less likely than the policy, and the mean token advantage."""
+    mask = inputs.completion_mask
+    gap = old_logp - inputs.teacher_logp
+    stats.add_mean("teacher/reverse_kl", gap, mask)
+    stats.add_mean("teacher/disagreement", (gap > disagreement_nats).float(), mask)
+    stats.add_mean("teacher/advantage", advantages, mask)

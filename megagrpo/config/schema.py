@@ -414,6 +414,37 @@ class RewardsConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation (docs/distillation.md): a teacher scores every token the policy
+    sampled, and coef x (log p_teacher - log p_policy), the negative per-token reverse KL, joins
+    each token's advantage. Unset (no model, no url): no teacher."""
+
+    model: Optional[str] = None
+    """HF folder of the teacher, run in the job beside the frozen reference (ZeRO-3 partitioned
+    like the policy when it uses ZeRO-3). Its tokenizer must be the policy's: the teacher scores
+    the policy's token ids."""
+    url: Optional[str] = None
+    """Or the base URL of an OpenAI-compatible server of the teacher (`vllm serve`, which
+    returns prompt log-probs), e.g. http://node7:8001."""
+    coef: float = 1.0
+    """Weight of the teacher's per-token advantage, log p_teacher - log p_policy."""
+    task_weight: float = 1.0
+    """Weight of the task reward's group advantage beside it; 0: distillation alone (the rewards
+    are still computed and logged)."""
+    offload: bool = False
+    """ZeRO-3: keep the teacher's parameters in host memory (as model.ref_offload does the
+    reference's)."""
+    disagreement_nats: float = 2.3
+    """teacher/disagreement counts the sampled tokens the teacher finds this many nats less
+    likely than the policy does (2.3: ten times less likely)."""
+    timeout_s: float = 300.0
+    """teacher.url: seconds to wait for the server to be ready, and for each request."""
+    retries: int = 3
+    """teacher.url: tries again when the server does not answer or answers 5xx, then stops the
+    run naming the server."""
+
+
+@dataclass
 class CheckpointConfig:
     """Checkpoints, resume and the final HF export."""
 
@@ -505,6 +536,7 @@ class Config:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     deepspeed: Any = "configs/ds_zero3.json"
     """Path to a DeepSpeed JSON or an inline mapping. Batch, optimizer and precision keys are
     filled in from this config."""
@@ -513,6 +545,11 @@ class Config:
     doctor: DoctorConfig = field(default_factory=DoctorConfig)
     output_dir: str = "runs/megagrpo"
     """Where TensorBoard logs, checkpoints, eval results and the final HF model go."""
+
+
+def has_teacher(cfg: Config) -> bool:
+    """Whether the run distils from a teacher (teacher.model or teacher.url)."""
+    return bool(cfg.teacher.model or cfg.teacher.url)
 
 
 def max_sequence_length(cfg: Config) -> int:

@@ -3,6 +3,7 @@
     policy = build_policy(cfg, topology, total_steps)      # megagrpo.policy
     micro_batches = policy.micro_batches(batch)            # rows per micro-batch, same count on every rank
     batch.ref_logp = policy.logprobs(batch, micro_batches, reference=True)
+    batch.teacher_logp = policy.logprobs(batch, micro_batches, teacher=True)   # teacher.model (distillation)
     metrics = policy.optimize(batch, micro_batches)        # num_iterations passes, one step each
     for name, tensor in policy.full_tensors(): ...         # whole HF tensors (weight sync, export)
     policy.layout(), policy.adapter_config                 # what checkpoints record and save
@@ -22,7 +23,7 @@ import torch
 from megagrpo.algorithm.loss import StepStats, declare_stats
 from megagrpo.cluster.distributed import all_reduce
 from megagrpo.cluster.topology import Topology
-from megagrpo.config.schema import Config
+from megagrpo.config.schema import Config, has_teacher
 from megagrpo.policy import lora
 from megagrpo.policy.batch import RolloutBatch
 from megagrpo.policy.models import DeepSpeedSettings
@@ -35,6 +36,7 @@ class Policy:
 
     engine = None
     reference = None
+    teacher = None  # teacher.model's frozen model (policy/teacher.py)
 
     def __init__(self, cfg: Config, topology: Topology):
         self.cfg, self.g, self.topo = cfg, cfg.grpo, topology
@@ -44,14 +46,15 @@ class Policy:
         self.base_model = os.path.abspath(model) if os.path.isdir(model) else model  # as checkpoints record it
         # PEFT's adapter_config.json for a LoRA policy (its checkpoints and exports), else None
         self.adapter_config = lora.adapter_config(cfg.model.lora, self.base_model) if self.is_lora else None
+        self.distillation = cfg.teacher if has_teacher(cfg) else None  # the loss's teacher settings
 
     # ---- per layout ---------------------------------------------------------------------------
 
     def logprobs(self, batch: RolloutBatch, micro_batches: list[list[int]],
-                 reference: bool = False) -> Optional[torch.Tensor]:
-        """(B, C) log-probs of the completion tokens under the policy (or the reference), no
-        gradient, over the update's micro-batches. Returns None for a reference that does
-        not exist (kl_coef 0)."""
+                 reference: bool = False, teacher: bool = False) -> Optional[torch.Tensor]:
+        """(B, C) log-probs of the completion tokens under the policy (or the reference, or
+        teacher.model's teacher at temperature 1), no gradient, over the update's micro-batches.
+        Returns None for a reference that does not exist (kl_coef 0)."""
         raise NotImplementedError
 
     def optimize(self, batch: RolloutBatch, micro_batches: list[list[int]]) -> dict:
@@ -167,7 +170,7 @@ class Policy:
 
     def new_stats(self) -> StepStats:
         stats = StepStats()
-        declare_stats(stats, self.g)
+        declare_stats(stats, self.g, self.distillation)
         return stats
 
     def step_metrics(self, stats: StepStats, loss_group, grad_norm: Optional[float]) -> dict:

@@ -52,6 +52,7 @@ class RolloutBatch:
     prompt_width: int
     ref_logp: Optional[torch.Tensor] = None   # (B, C)
     old_logp: Optional[torch.Tensor] = None   # (B, C)
+    teacher_logp: Optional[torch.Tensor] = None   # (B, C) a distillation teacher's, at temperature 1
     vision: Optional[list] = None   # (B,) per row its VisionPrompt or None; None: no row has images
     routes: Optional[list] = None   # (B,) per row the sampler's routes (Completion.routes); None: none sampled
 

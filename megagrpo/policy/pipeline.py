@@ -51,8 +51,9 @@ class PipelinePolicy(Policy):
         return [_micro_batch_item(batch.select(rows or [0]), 1.0 if rows else 0.0, one_row)
                 for rows in micro_batches]
 
-    def logprobs(self, batch, micro_batches, reference=False) -> Optional[torch.Tensor]:
-        """Known at the last stage only, which is the only one that needs them (zeros elsewhere)."""
+    def logprobs(self, batch, micro_batches, reference=False, teacher=False) -> Optional[torch.Tensor]:
+        """Known at the last stage only, which is the only one that needs them (zeros elsewhere).
+        (A teacher is refused under pipeline parallelism: policy/teacher.py.)"""
         engine, loss = (self.reference, self._reference_loss) if reference else (self.engine, self._loss)
         if engine is None:
             return None

@@ -4,7 +4,8 @@ Every rank runs the same micro-batches through `deepspeed.initialize`'s engine: 
 fused log-prob head, logprobs.py), the GRPO loss (algorithm/loss.py), backward with gradient
 accumulation, one optimizer step per pass. The reference is a ZeRO-3 inference engine (no
 optimizer state) when the policy uses ZeRO-3, else a plain eval module; for a LoRA policy
-(policy/lora.py) it is the policy itself with its adapters disabled.
+(policy/lora.py) it is the policy itself with its adapters disabled. A distillation teacher
+(teacher.model, policy/teacher.py) is built as the reference is.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from megagrpo.policy.logprobs import completion_logprobs
 from megagrpo.policy.models import initialize, load_model
 from megagrpo.policy.moe import attach_routing, checkpoint_names
 from megagrpo.policy.sequence_parallel import SequenceParallel, sum_gradients_over_sp
+from megagrpo.policy.teacher import teacher_config
 from megagrpo.policy.weight_gather import named_full_tensors
 
 
@@ -46,40 +48,44 @@ class ZeroPolicy(Policy):
         self.engine = initialize(model, cfg, self.deepspeed, total_steps, topology.deepspeed_mpu)
         if expert_parallel:
             self.routing = attach_routing(self.engine.module)
-        self.reference = self._build_reference() if self.g.kl_coef > 0 and not self.is_lora else None
+        if self.g.kl_coef > 0 and not self.is_lora:
+            self.reference = self._build_frozen(cfg, cfg.model.ref_offload)
+        if cfg.teacher.model:  # on-policy distillation: the teacher, built as the reference is (policy/teacher.py)
+            self.teacher = self._build_frozen(teacher_config(cfg), cfg.teacher.offload, replays_routes=False)
 
-    def _build_reference(self):
-        """A ZeRO-3 inference engine (partitioned and sharded like the policy, optionally
-        offloaded to CPU) when the policy uses ZeRO-3; else a plain eval module."""
+    def _build_frozen(self, cfg: Config, offload: bool, replays_routes: bool = True):
+        """A frozen model (the reference, the teacher) from cfg.model: a ZeRO-3 inference engine
+        (partitioned and sharded like the policy, optionally offloaded to CPU) when the policy
+        uses ZeRO-3; else a plain eval module. replays_routes: under routing replay R3 it scores
+        through the sampler's experts too (the reference; a teacher has experts of its own)."""
+        routing = replays_routes and self.cfg.rollout.routing_replay == "r3"
         if self.deepspeed.zero_stage != 3:
             from deepspeed.accelerator import get_accelerator
-            model = load_model(self.cfg, self.deepspeed, self.sp).eval().requires_grad_(False)
-            self._reference_routing(model)
+            model = load_model(cfg, self.deepspeed, self.sp).eval().requires_grad_(False)
+            if routing:
+                attach_routing(model)
             return model.to(get_accelerator().current_device_name())
-        settings = self.deepspeed.for_frozen_model(zero3=True, offload=self.cfg.model.ref_offload)
-        model = load_model(self.cfg, settings, self.sp).eval()
+        settings = self.deepspeed.for_frozen_model(zero3=True, offload=offload)
+        model = load_model(cfg, settings, self.sp).eval()
         # frozen after initialize: AutoTP registers gradient hooks on replicated parameters that
         # see split activations (Qwen3's q/k norms), and a frozen tensor refuses a hook
         expert_parallel = self.cfg.parallel.expert_parallel_size > 1
-        if not expert_parallel:
-            self._reference_routing(model)
+        if routing and not expert_parallel:
+            attach_routing(model)
         engine, _, _, _ = deepspeed.initialize(model=model, config=settings.config, mpu=self.topo.deepspeed_mpu)
         engine.module.requires_grad_(False)
         engine.eval()
-        if expert_parallel:
-            self._reference_routing(engine.module)
+        if routing and expert_parallel:
+            attach_routing(engine.module)
         return engine
 
-    def _reference_routing(self, model) -> None:
-        """Under routing replay R3 the reference scores through the sampler's experts too."""
-        if self.cfg.rollout.routing_replay == "r3":
-            attach_routing(model)
-
-    def _forward(self, model, mb: RolloutBatch):
-        return completion_logprobs(model, mb, self.cfg.rollout.temperature, self.g.packing,
+    def _forward(self, model, mb: RolloutBatch, temperature: Optional[float] = None):
+        return completion_logprobs(model, mb, temperature or self.cfg.rollout.temperature, self.g.packing,
                                    self.g.fused_logprobs, self.sp)
 
-    def logprobs(self, batch, micro_batches, reference=False) -> Optional[torch.Tensor]:
+    def logprobs(self, batch, micro_batches, reference=False, teacher=False) -> Optional[torch.Tensor]:
+        if teacher:  # at temperature 1: the teacher's own distribution
+            return self._logprobs(self.teacher, batch, micro_batches, temperature=1.0)
         if reference and self.is_lora:  # the base model: the policy with its adapters off
             if self.g.kl_coef == 0:
                 return None
@@ -88,7 +94,8 @@ class ZeroPolicy(Policy):
         model = self.reference if reference else self.engine
         return None if model is None else self._logprobs(model, batch, micro_batches, record_routes=not reference)
 
-    def _logprobs(self, model, batch, micro_batches, record_routes: bool = False) -> torch.Tensor:
+    def _logprobs(self, model, batch, micro_batches, record_routes: bool = False,
+                  temperature: Optional[float] = None) -> torch.Tensor:
         """record_routes: keep an MoE policy's routes per micro-batch (the old-policy pass's,
         which the update passes compare with and, under routing replay R2, replay)."""
         out = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
@@ -97,7 +104,7 @@ class ZeroPolicy(Policy):
             self.old_routes = []
         with torch.no_grad():
             for rows in micro_batches:  # an empty micro-batch still runs (ZeRO-3 gathers are collective)
-                logp = self._forward(model, batch.select(rows or [0]))[0]
+                logp = self._forward(model, batch.select(rows or [0]), temperature)[0]
                 if rows:
                     out[torch.tensor(rows)[:, None], torch.arange(logp.shape[1])[None, :]] = logp
                 if record_routes and self.routing is not None:
@@ -124,8 +131,10 @@ class ZeroPolicy(Policy):
                 if self.routing is not None:
                     self.routing.before_update(i)
                 logp, entropy = self._forward(self.engine, mb)
-                inputs = LossInputs(mb.completion_mask, mb.advantages, mb.sampler_logp, mb.old_logp, mb.ref_logp)
-                loss = micro_batch_loss(self.g, logp, entropy, inputs, normalisers, share, stats if rows else None)
+                inputs = LossInputs(mb.completion_mask, mb.advantages, mb.sampler_logp, mb.old_logp, mb.ref_logp,
+                                    mb.teacher_logp)
+                loss = micro_batch_loss(self.g, logp, entropy, inputs, normalisers, share, stats if rows else None,
+                                        self.distillation)
                 if self.routing is not None and passed == 0 and rows and not self.routing.old:
                     self.routing.count_sampler_flips()  # R3 with no old-policy pass: the first forward at these weights
                 if self.routing is not None:

@@ -36,16 +36,18 @@ class ServerError(RuntimeError):
 class Server:
     """One `vllm serve`: its URL, its model's name and context length, its weight-transfer workers."""
 
-    def __init__(self, url: str, timeout_s: float, retries: int):
-        self.url, self.timeout_s, self.retries = url.rstrip("/"), timeout_s, retries
+    def __init__(self, url: str, timeout_s: float, retries: int, settings: str = "rollout.server_"):
+        """settings: the prefix of the config keys that set timeout_s and retries, as errors name them."""
+        self.url, self.timeout_s, self.retries, self.settings = url.rstrip("/"), timeout_s, retries, settings
 
-    def wait_until_ready(self, log=print) -> None:
-        """Wait for /health (a server may still be starting); then read what it serves."""
+    def wait_until_ready(self, log=print, takes_weights: bool = True) -> None:
+        """Wait for /health (a server may still be starting); then read what it serves.
+        takes_weights: its weight-transfer routes must answer (a generator's; a teacher's not)."""
         deadline = time.time() + self.timeout_s
         said = False
         while not self.healthy():
             if time.time() > deadline:
-                raise ServerError(f"vLLM server {self.url} did not answer /health within rollout.server_timeout_s "
+                raise ServerError(f"vLLM server {self.url} did not answer /health within {self.settings}timeout_s "
                                   f"= {self.timeout_s:g} s: is it started, and reachable from this node?")
             if not said:
                 log(f"waiting for the vLLM server {self.url}")
@@ -53,6 +55,8 @@ class Server:
             time.sleep(1)
         model = self.get("v1/models")["data"][0]
         self.model, self.max_model_len = model["id"], model.get("max_model_len")
+        if not takes_weights:
+            return
         try:
             self.workers = self.get("get_world_size")["world_size"]
         except ServerError as e:
@@ -92,7 +96,7 @@ class Server:
             if reply.status_code < 500:
                 break
         raise ServerError(f"vLLM server {self.url} failed /{path} ({tries} tries, "
-                          f"rollout.server_timeout_s {self.timeout_s:g} s each): {error}")
+                          f"{self.settings}timeout_s {self.timeout_s:g} s each): {error}")
 
     def generate_tokens(self, body: dict) -> list[Completion]:
         """A request to vLLM's token route, /inference/v1/generate (rollout.partial_rollouts):
