@@ -127,9 +127,10 @@ def _distil(tiny, out, *overrides, ranks=1):
 
 @pytest.mark.multirank
 def test_a_student_distils_to_its_teacher_in_the_job_and_from_a_server(tiny, tmp_path, teacher, teacher_server):
-    """Distillation alone (task_weight 0): the student's held-out accuracy goes from mostly wrong
-    to within 15 points of always right in 12 steps (greedy; bench/distillation_learning.py measures the 5). The same run's first 2 steps with the
-    teacher behind the server: the same samples, so the same teacher metrics and losses."""
+    """Distillation alone (task_weight 0): the student's held-out accuracy (greedy) goes from
+    mostly wrong to within 15 points of always right in 12 steps (bench/distillation_learning.py
+    measures the 5). The same run's first 2 steps with the teacher behind the server: the same
+    samples, so the same teacher metrics and losses."""
     job = tmp_path / "job"
     _distil(tiny, job, "grpo.max_steps=12", "grpo.kl_coef=0", f"teacher.model={teacher}", "teacher.task_weight=0")
     results = json.load(open(job / "eval_results.json"))

@@ -35,12 +35,6 @@ SERVER_ARGS = ("--weight-transfer-config", '{"backend": "gloo"}', "--logprobs-mo
                "--no-enable-chunked-prefill", "--enable-scale-out")  # (the token route: partial rollouts)
 
 
-def _server_process(url: str) -> psutil.Process:
-    port = url.rsplit(":", 1)[1]
-    return next(p for p in psutil.process_iter(["cmdline"])
-                if "api_server" in " ".join(p.info["cmdline"] or []) and port in (p.info["cmdline"] or []))
-
-
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     """One `vllm serve` of the tiny model for the module's runs (each job puts its own weights in
@@ -277,7 +271,7 @@ def test_server_run_equals_colocated_and_a_dead_server_stops_the_job(tiny, tmp_p
 
     # the server dies mid-run: the job stops naming it; the checkpoint before is intact
     def kill_the_server(job):
-        server = _server_process(url)
+        server = daemons.server_process(url)
         for process in [server, *server.children(recursive=True)]:
             process.send_signal(signal.SIGKILL)
 
@@ -354,7 +348,7 @@ def test_generating_ranks_in_the_job_equal_colocated(tiny, tmp_path, colocated):
     url = proc.stdout.split("generator server 0 serving at ", 1)[1].split()[0]
     assert (out / "vllm_server_0.log").exists()
     with pytest.raises(StopIteration):  # the server ended with the job
-        _server_process(url)
+        daemons.server_process(url)
 
 
     # the generating rank SIGKILLed after the first checkpoint (a lost process, not a clean exit)

@@ -395,7 +395,7 @@ class RewardFunctionConfig:
 
     name: str = ""
     """Built-in name (answer_match, format, length_penalty, environment, agent, customer_service, math_accuracy,
-    think_answer_format, overlong_penalty, code, reward_model) or dotted path module:function."""
+    think_answer_format, overlong_penalty, code, reward_model, reasoning_gym, judge) or dotted path module:function."""
     weight: float = 1.0
     """Weight of this function in the summed reward."""
     args: dict = field(default_factory=dict)

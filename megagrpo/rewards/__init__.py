@@ -107,6 +107,7 @@ SUITE: dict[str, str] = {
     "overlong_penalty": "megagrpo.rewards.text:overlong_penalty",
     "code": "megagrpo.rewards.code:CodeReward",
     "reward_model": "megagrpo.rewards.reward_model:RewardModel",
+    "judge": "megagrpo.rewards.llm_judge:LLMJudge",
     "reasoning_gym": "megagrpo.rewards.reasoning_gym:reasoning_gym",
 }
 

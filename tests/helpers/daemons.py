@@ -160,6 +160,15 @@ def slurm_cluster(folder, cpus: int = 2):
         _stop(procs[::-1], "a SLURM daemon")
 
 
+def server_process(url: str):
+    """The psutil.Process of the `vllm serve` (api_server) listening at url's port."""
+    import psutil
+
+    port = url.rsplit(":", 1)[1]
+    return next(p for p in psutil.process_iter(["cmdline"])
+                if "api_server" in " ".join(p.info["cmdline"] or []) and port in (p.info["cmdline"] or []))
+
+
 @contextlib.contextmanager
 def vllm_server(model: str, folder, *args: str, timeout: float = 300, env: dict | None = None):
     """`vllm serve model` on 127.0.0.1 (a free port; CPU settings: eager, float32, a 256 MiB KV
