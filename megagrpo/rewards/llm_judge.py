@@ -81,16 +81,14 @@ class JudgePrompt:
     training rows are rendered by the same code, tests/helpers/judge_data.py)."""
 
     def __init__(self, rubric: str = DEFAULT_RUBRIC, scale: tuple = (0, 10), max_completion_chars: int = 4000,
-                 template: str = TEMPLATE):
+                 template: str = TEMPLATE, pairwise_template: str = PAIRWISE):
         self.low, self.high = (float(v) for v in scale)
         if not self.low < self.high:
             raise ValueError(f"judge: scale {list(scale)} must be [lowest, highest] with lowest < highest")
-        fence = ("<answer-{nonce}>", "{completion}", "</answer-{nonce}>")
-        positions = [template.find(part) for part in fence]
-        if min(positions) < 0 or positions != sorted(positions) or template.count("{completion}") != 1:
-            raise ValueError("judge: args.template must hold {completion} once, between <answer-{nonce}> and "
-                             "</answer-{nonce}>: the fence a completion cannot close (docs/data-and-rewards.md)")
-        self.rubric, self.max_completion_chars, self.template = rubric, max_completion_chars, template
+        _check_fences("template", template, [("{completion}", "answer")])
+        _check_fences("pairwise_template", pairwise_template, [("{first}", "answer-A"), ("{second}", "answer-B")])
+        self.rubric, self.max_completion_chars = rubric, max_completion_chars
+        self.template, self.pairwise_template = template, pairwise_template
         self._key = os.urandom(16)  # the nonces' key: a completion cannot know its fence
 
     def nonce(self, *texts: str) -> str:
@@ -113,20 +111,22 @@ class JudgePrompt:
     def pairwise(self, prompt, first: str, second: str, reference=None) -> str:
         """The request for the better of two completions."""
         task = prompt_text(prompt)
-        return PAIRWISE.format(rubric=self.rubric, nonce=self.nonce(task, first, second), prompt=self.fenced(task),
-                               reference_block=_reference_block(reference), first=self.fenced(first),
-                               second=self.fenced(second))
+        return self.pairwise_template.format(
+            rubric=self.rubric, nonce=self.nonce(task, first, second), prompt=self.fenced(task),
+            reference_block=_reference_block(reference), reference=reference, first=self.fenced(first),
+            second=self.fenced(second))
 
 
 class LLMJudge:
     def __init__(self, config=None, url: str = "", model: Optional[str] = None, rubric: str = DEFAULT_RUBRIC,
                  scale: tuple = (0, 10), pairwise: bool = False, reference_field: str = "answer",
-                 max_completion_chars: int = 4000, max_tokens: int = 16, concurrency: int = 16,
-                 cache_size: int = 100_000, timeout_s: float = 60.0, retries: int = 2, template: str = TEMPLATE):
+                 max_completion_chars: int = 4000, max_tokens: int = 256, concurrency: int = 16,
+                 cache_size: int = 100_000, timeout_s: float = 60.0, retries: int = 2, template: str = TEMPLATE,
+                 pairwise_template: str = PAIRWISE):
         if not url:
             raise ValueError("judge needs args.url: the base URL of an OpenAI-compatible server of the judge model, "
                              "e.g. http://node7:8002 (docs/data-and-rewards.md#llm-judges)")
-        self.requests = JudgePrompt(rubric, scale, max_completion_chars, template)
+        self.requests = JudgePrompt(rubric, scale, max_completion_chars, template, pairwise_template)
         self.low, self.high = self.requests.low, self.requests.high
         self.pairwise, self.reference_field, self.max_tokens = pairwise, reference_field, max_tokens
         self.server = Server(url, timeout_s, retries, settings="the judge's args.")
@@ -233,6 +233,16 @@ def prompt_text(prompt) -> str:
     if isinstance(prompt, str):
         return prompt
     return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in prompt)
+
+
+def _check_fences(name: str, template: str, slots: list) -> None:
+    """Each slot sits once in the template, between <MARKER-{nonce}> and </MARKER-{nonce}>."""
+    for slot, marker in slots:
+        fence = (f"<{marker}-{{nonce}}>", slot, f"</{marker}-{{nonce}}>")
+        positions = [template.find(part) for part in fence]
+        if min(positions) < 0 or positions != sorted(positions) or template.count(slot) != 1:
+            raise ValueError(f"judge: args.{name} must hold {slot} once, between <{marker}-{{nonce}}> and "
+                             f"</{marker}-{{nonce}}>: the fence a completion cannot close (docs/data-and-rewards.md)")
 
 
 def _reference_block(reference) -> str:
