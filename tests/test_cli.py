@@ -56,11 +56,12 @@ def test_docs_document_every_config_key():
                     config_module.ParallelConfig,
                     config_module.RolloutConfig, config_module.CheckpointConfig,
                     config_module.LoggingConfig, config_module.RewardFunctionConfig,
-                    config_module.RewardsConfig, config_module.DoctorConfig, config_module.Config):
+                    config_module.RewardsConfig, config_module.DoctorConfig, config_module.TeacherConfig,
+                    config_module.Config):
         for f in dataclasses.fields(section):
             assert re.search(rf"\| `(\w+\.)?{f.name}` \|", page) or f.name in (
                 "model", "data", "grpo", "rollout", "parallel", "rewards", "checkpoint", "logging", "lora",
-                "doctor"), f.name
+                "doctor", "teacher"), f.name
     for f in dataclasses.fields(config_module.LoraConfig):  # a section inside model: model.lora.<key>
         assert f"| `model.lora.{f.name}` |" in page, f.name
     for alias in aliases.ALIASES:
