@@ -192,7 +192,8 @@ class LLMJudge:
 
     def _pairwise(self, prompts, completions, references) -> list[tuple[float, str]]:
         """Each completion's share of wins against the others of its group (the rows sharing its
-        prompt), both orders of every pair asked; a failed comparison is a loss for both."""
+        prompt), both orders of every pair asked; a failed comparison is a loss for both, and
+        each loser by a reason (a failure, a verdict written) keeps its first reason."""
         groups: dict = {}
         for i, prompt in enumerate(prompts):
             groups.setdefault(prompt_text(prompt), []).append(i)
@@ -207,16 +208,21 @@ class LLMJudge:
             played[b] += 1
             if winner is not None:
                 wins[a if winner == "A" else b] += 1
-            elif not reasons[a]:
-                reasons[a] = reasons[b] = f"judge failed: {reason}"
+            losers = (a, b) if winner is None else (b,) if winner == "A" else (a,)
+            for row in losers if reason else ():
+                reasons[row] = reasons[row] or f"judge failed: {reason}"
         return [(wins[i] / played[i] if played[i] else 0.0, reasons[i]) for i in range(len(completions))]
 
     def _compare(self, prompt, first: str, second: str, reference) -> tuple[Optional[str], str]:
-        """("A" or "B", "") for the better of two answers, or (None, reason)."""
-        if VERDICT_CLAIM.search(first):  # a completion that writes a verdict itself loses
-            return "B", ""
-        if VERDICT_CLAIM.search(second):
-            return "A", ""
+        """("A" or "B", "") for the better of two answers, or (None, reason). A completion that
+        writes a verdict itself loses without the judge being asked ("A" or "B" with the
+        reason; both: neither wins)."""
+        claims = [VERDICT_CLAIM.search(first), VERDICT_CLAIM.search(second)]
+        if all(claims):
+            return None, f"both completions write a verdict themselves ({claims[0].group(0)!r}, {claims[1].group(0)!r})"
+        if any(claims):
+            claim = claims[0] or claims[1]
+            return ("B" if claims[0] else "A"), f"the completion writes a verdict itself ({claim.group(0)!r})"
         try:
             reply = self._ask(self.requests.pairwise(prompt, first, second, reference))
         except ServerError as e:
