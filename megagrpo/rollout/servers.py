@@ -98,6 +98,13 @@ class Server:
         raise ServerError(f"vLLM server {self.url} failed /{path} ({tries} tries, "
                           f"{self.settings}timeout_s {self.timeout_s:g} s each): {error}")
 
+    def prompt_logprobs(self, ids: list[int], start: int, temperature: float) -> list[float]:
+        """The log-probs of ids[start:] given what precedes each (the server's prompt_logprobs)."""
+        reply = self.post("v1/completions", {"model": self.model, "prompt": ids, "max_tokens": 1,
+                                             "temperature": temperature, "prompt_logprobs": 0})
+        entries = reply["choices"][0]["prompt_logprobs"]
+        return [entries[k][str(ids[k])]["logprob"] for k in range(start, len(ids))]
+
     def generate_tokens(self, body: dict) -> list[Completion]:
         """A request to vLLM's token route, /inference/v1/generate (rollout.partial_rollouts):
         its choices, each token with the version of the weights that sampled it, as the server
@@ -233,11 +240,7 @@ class ServerGenerator:
         precedes them (the servers' prompt_logprobs)."""
         def one(i: int) -> list[float]:
             ids, start = requests[i]
-            server = self.servers[i % len(self.servers)]
-            reply = server.post("v1/completions", {"model": server.model, "prompt": ids, "max_tokens": 1,
-                                                   "temperature": 0.0, "prompt_logprobs": 0})
-            entries = reply["choices"][0]["prompt_logprobs"]
-            return [entries[k][str(ids[k])]["logprob"] for k in range(start, len(ids))]
+            return self.servers[i % len(self.servers)].prompt_logprobs(ids, start, temperature=0.0)
         return list(self.pool.map(one, range(len(requests))))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False,

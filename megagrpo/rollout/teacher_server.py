@@ -63,13 +63,8 @@ class TeacherServer:
         def score(i: int) -> None:
             if not completions[i]:
                 return
-            ids = prompts[i] + completions[i]
-            reply = self.server.post("v1/completions", {"model": self.server.model, "prompt": ids, "max_tokens": 1,
-                                                        "temperature": 1.0, "prompt_logprobs": 0})
-            entries = reply["choices"][0]["prompt_logprobs"]
-            start = len(prompts[i])
-            out[i, :len(completions[i])] = torch.tensor(
-                [entries[k][str(ids[k])]["logprob"] for k in range(start, len(ids))])
+            logp = self.server.prompt_logprobs(prompts[i] + completions[i], len(prompts[i]), temperature=1.0)
+            out[i, :len(completions[i])] = torch.tensor(logp)
 
         list(self.pool.map(score, range(len(batch))))
         return out.to(batch.completion_ids.device)
