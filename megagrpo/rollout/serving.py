@@ -81,7 +81,7 @@ def server_env(placement: Placement) -> dict:
     return env
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the server's process: SIGTERM when this rank dies (a launcher's SIGKILL included)."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -114,7 +114,7 @@ def serve(cfg: Config, placement: Placement, log=lambda line: print(f"[megagrpo]
             log_path = os.path.abspath(os.path.join(cfg.output_dir, f"vllm_server_{index}.log"))
             with open(log_path, "w") as out:
                 process = subprocess.Popen(server_command(cfg, placement, host, port), env=server_env(placement),
-                                           stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                           stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
             url = f"http://{host}:{port}"
             server = Server(url, timeout, retries=0)
             deadline = time.time() + timeout
@@ -123,7 +123,7 @@ def serve(cfg: Config, placement: Placement, log=lambda line: print(f"[megagrpo]
                     raise ServingError(f"generator server {index} ({url}) " + (
                         f"exited with {process.returncode}" if process.poll() is not None else
                         f"did not answer /health within rollout.server_timeout_s = {timeout:g} s")
-                        + f"; its log: {log_path}:\n{_tail(log_path)}")
+                        + f"; its log: {log_path}:\n{log_tail(log_path)}")
                 time.sleep(1)
             store.set(server_key(index), url)
             log(f"generator server {index} serving at {url} (launch ranks {placement.rank}-"
@@ -131,7 +131,7 @@ def serve(cfg: Config, placement: Placement, log=lambda line: print(f"[megagrpo]
         while True:
             if process is not None and process.poll() is not None:
                 raise ServingError(f"generator server {placement.server_index} exited with {process.returncode} "
-                                   f"during the job; its log: {log_path}:\n{_tail(log_path)}")
+                                   f"during the job; its log: {log_path}:\n{log_tail(log_path)}")
             try:
                 if store.check([DONE_KEY]):
                     store.set(left_key(placement.rank), "1")
@@ -149,7 +149,7 @@ def serve(cfg: Config, placement: Placement, log=lambda line: print(f"[megagrpo]
                 process.kill()
 
 
-def _tail(path: str, lines: int = 30) -> str:
+def log_tail(path: str, lines: int = 30) -> str:
     """The log's last lines, after its last error line when that is further up (vLLM's engine
     logs the cause, then the API process its own traceback)."""
     with open(path, errors="replace") as f:
