@@ -37,12 +37,11 @@ def pytest_runtest_setup(item):
 # tests/run.sh runs the suite on two pytest-xdist workers (--dist loadfile: a file's tests, and
 # its daemons, on one worker): the slowest files start first, so that the workers end together
 # (seconds per file: docs/benchmarks.md, the suite on two workers)
-SLOWEST_FILES = ("test_checkpoints_resume.py", "test_train_quickstart.py", "test_rollout_servers.py",
-                 "test_cluster_launch.py", "test_policy_parallel.py", "test_train_real_vocab.py",
-                 "test_train_real_model.py", "test_policy_model_families.py", "test_train_e2e.py",
-                 "test_train_configurations.py",
-                 "test_rollout_weight_transfer.py", "test_algorithm_objectives.py", "test_policy_lora.py",
-                 "test_rollout_agent.py")
+SLOWEST_FILES = ("test_checkpoints_resume.py", "test_train_quickstart.py", "test_llm_judge.py",
+                 "test_rollout_servers.py", "test_cluster_launch.py", "test_policy_parallel.py",
+                 "test_train_real_vocab.py", "test_train_real_model.py", "test_policy_model_families.py",
+                 "test_train_e2e.py", "test_train_configurations.py", "test_rollout_weight_transfer.py",
+                 "test_algorithm_objectives.py", "test_policy_lora.py", "test_rollout_agent.py")
 _SHARE: list = []  # a worker's MachineShare (helpers/machine_share.py): `alone` tests run alone
 _SESSION_FOLDERS: list = []  # the controlling process's (the lock's folder): removed at its end
 

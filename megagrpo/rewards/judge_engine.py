@@ -35,8 +35,8 @@ class JudgeEngineError(RuntimeError):
 class JudgeEngine:
     """`vllm serve` of the judge model for this rank: `url` once it answers /health."""
 
-    def __init__(self, model: str, log_dir: str, max_model_len: Optional[int] = None, gpu_memory_utilization: float = 0.15,
-                 engine_args: tuple = (), timeout_s: float = 600.0):
+    def __init__(self, model: str, log_dir: str, max_model_len: Optional[int] = None,
+                 gpu_memory_utilization: float = 0.15, engine_args: tuple = (), timeout_s: float = 600.0):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise JudgeEngineError(f"judge: args.model {model!r} is not a model folder (no config.json); give the "
                                    "judge model's folder, or args.url of a server of it")

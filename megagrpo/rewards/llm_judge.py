@@ -85,7 +85,7 @@ class JudgePrompt:
     training rows are rendered by the same code, tests/helpers/judge_data.py)."""
 
     def __init__(self, rubric: str = DEFAULT_RUBRIC, scale: tuple = (0, 10), max_completion_chars: int = 4000,
-                 template: str = TEMPLATE, pairwise_template: str = PAIRWISE):
+                 template: str = TEMPLATE, pairwise_template: str = PAIRWISE, key: Optional[bytes] = None):
         self.low, self.high = (float(v) for v in scale)
         if not self.low < self.high:
             raise ValueError(f"judge: scale {list(scale)} must be [lowest, highest] with lowest < highest")
@@ -93,7 +93,9 @@ class JudgePrompt:
         _check_fences("pairwise_template", pairwise_template, [("{first}", "answer-A"), ("{second}", "answer-B")])
         self.rubric, self.max_completion_chars = rubric, max_completion_chars
         self.template, self.pairwise_template = template, pairwise_template
-        self._key = os.urandom(16)  # the nonces' key: a completion cannot know its fence
+        # the nonces' key, drawn: a completion cannot know its fence (a fixed key only for a
+        # judge's training rows, which must be the same on every build)
+        self._key = key or os.urandom(16)
 
     def nonce(self, *texts: str) -> str:
         digest = hmac.new(self._key, "\x00".join(texts).encode("utf-8", "replace"), hashlib.sha256).digest()
@@ -125,12 +127,16 @@ class JudgePrompt:
 
 
 class LLMJudge:
+    """The `judge` reward: `url` of a judge's server, or `model` (a folder) for the job's own
+    engine of it (the engine's `max_model_len`, `gpu_memory_utilization`, `engine_args`); the
+    other args as docs/data-and-rewards.md lists them."""
+
     def __init__(self, config=None, url: str = "", model: Optional[str] = None, rubric: str = DEFAULT_RUBRIC,
                  scale: tuple = (0, 10), pairwise: bool = False, reference_field: str = "answer",
                  max_completion_chars: int = 4000, max_tokens: int = 256, concurrency: int = 16,
                  cache_size: int = 100_000, timeout_s: float = 60.0, retries: int = 2, template: str = TEMPLATE,
-                 pairwise_template: str = PAIRWISE, max_model_len: Optional[int] = None, gpu_memory_utilization: float = 0.15,
-                 engine_args: tuple = ()):
+                 pairwise_template: str = PAIRWISE, max_model_len: Optional[int] = None,
+                 gpu_memory_utilization: float = 0.15, engine_args: tuple = ()):
         if not url and not model:
             raise ValueError("judge needs args.url (an OpenAI-compatible server of the judge model, e.g. "
                              "http://node7:8002) or args.model (the judge model's folder, served by the job's own "
