@@ -5,8 +5,8 @@ it when the run ends (or when the rank dies: the server gets SIGTERM with its pa
 
 Why a child process and not a second engine inside the rank: vLLM keeps its parallel state
 (its distributed groups) per process, and the rank's co-located generator holds it already, so a
-second `vllm.LLM` in the same process cannot be built. A child server costs one process and a
-local HTTP hop per request (batched by the server as a URL judge's requests are).
+second `vllm.LLM` in the same process would have to share it (not tried). A child server avoids
+that for one process and a local HTTP hop per request (batched as a URL judge's requests are).
 
     rewards:
       functions:
