@@ -16,16 +16,19 @@ that for one process and a local HTTP hop per request (batched as a URL judge's 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 from typing import Optional
 
 import torch
 
 from megagrpo.cluster.distributed import free_port
-from megagrpo.rollout.servers import Server
-from megagrpo.rollout.serving import LAUNCH_PREFIXES, LAUNCH_VARS, die_with_parent, log_tail
+from megagrpo.rollout.serving import (
+    env_outside_launch,
+    log_tail,
+    start_child_server,
+    stop_child_server,
+    wait_until_healthy,
+)
 
 
 class JudgeEngineError(RuntimeError):
@@ -44,30 +47,18 @@ class JudgeEngine:
         os.makedirs(log_dir, exist_ok=True)
         self.log_path = os.path.abspath(os.path.join(log_dir, f"judge_engine_rank{rank}.log"))
         self.url = f"http://127.0.0.1:{port}"
-        with open(self.log_path, "w") as out:
-            self.process = subprocess.Popen(
-                [*engine_command(model, port, max_model_len, gpu_memory_utilization), *engine_args],
-                env=engine_env(), stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-        server = Server(self.url, 5, retries=0)
-        deadline = time.time() + timeout_s
-        while not server.healthy():
-            if self.process.poll() is not None or time.time() > deadline:
-                self.close()
-                raise JudgeEngineError(
-                    f"the judge's engine (vllm serve {model}) " +
-                    (f"exited with {self.process.returncode}" if self.process.returncode is not None else
-                     f"did not answer /health within {timeout_s:g} s") +
-                    f"; its log: {self.log_path}:\n{log_tail(self.log_path)}")
-            time.sleep(1)
+        self.process = start_child_server(
+            [*engine_command(model, port, max_model_len, gpu_memory_utilization), *engine_args], engine_env(),
+            self.log_path)
+        if not wait_until_healthy(self.process, self.url, timeout_s):
+            why = (f"exited with {self.process.returncode}" if self.process.poll() is not None else
+                   f"did not answer /health within {timeout_s:g} s")  # (told before close() ends it)
+            self.close()
+            raise JudgeEngineError(f"the judge's engine (vllm serve {model}) {why}; its log: {self.log_path}:\n"
+                                   f"{log_tail(self.log_path)}")
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()  # vLLM shuts its engine down within --shutdown-timeout
-            try:
-                self.process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_child_server(self.process)
 
 
 def engine_command(model: str, port: int, max_model_len: Optional[int], gpu_memory_utilization: float) -> list[str]:
@@ -85,7 +76,7 @@ def engine_command(model: str, port: int, max_model_len: Optional[int], gpu_memo
 
 def engine_env() -> dict:
     """This rank's environment without the launch's variables (the server is no rank of it)."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(LAUNCH_PREFIXES)}
+    env = env_outside_launch()
     if not torch.cuda.is_available():
         env["TORCHDYNAMO_DISABLE"] = "1"  # nothing compiled on CPU, as the co-located engine
     return env

@@ -64,7 +64,7 @@ def server_command(cfg: Config, placement: Placement, host: str, port: int) -> l
 def server_env(placement: Placement) -> dict:
     """The server's environment: this rank's without the launch's variables, with vLLM's RL
     routes on, and its block's devices (GPU) or cores (CPU tp: one share per worker)."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(LAUNCH_PREFIXES)}
+    env = env_outside_launch()
     env["VLLM_SERVER_DEV_MODE"] = "1"
     tp, local_rank = placement.generator_tp, int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -79,6 +79,41 @@ def server_env(placement: Placement) -> dict:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
                 ",".join(map(str, cores[i * share:(i + 1) * share] or cores[-1:])) for i in range(tp))
     return env
+
+
+def env_outside_launch() -> dict:
+    """This rank's environment without the launch's variables: a server this rank starts is no
+    rank of the launch."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(LAUNCH_PREFIXES)}
+
+
+def start_child_server(cmd: list[str], env: dict, log_path: str) -> subprocess.Popen:
+    """`cmd` as this rank's child (SIGTERM when the rank dies), its output in log_path."""
+    with open(log_path, "w") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+
+
+def wait_until_healthy(process: subprocess.Popen, url: str, timeout_s: float) -> bool:
+    """True once url answers /health; False when the process exits first or timeout_s passes."""
+    from megagrpo.rollout.servers import Server
+
+    server = Server(url, timeout_s, retries=0)
+    deadline = time.time() + timeout_s
+    while not server.healthy():
+        if process.poll() is not None or time.time() > deadline:
+            return False
+        time.sleep(1)
+    return True
+
+
+def stop_child_server(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()  # vLLM shuts its engine down (within --shutdown-timeout)
+        try:
+            process.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def die_with_parent() -> None:
@@ -100,7 +135,7 @@ def check_block(placement: Placement) -> None:
 def serve(cfg: Config, placement: Placement, log=lambda line: print(f"[megagrpo] {line}", flush=True)) -> None:
     """A generating rank's whole job: its block's server (first rank) up and published, held
     until the trainers are done (returns), or an error when it stops or the trainers vanish."""
-    from megagrpo.rollout.servers import Server, address_towards
+    from megagrpo.rollout.servers import address_towards
 
     timeout = cfg.rollout.server_timeout_s
     store = launch_store(timeout)
@@ -112,19 +147,13 @@ def serve(cfg: Config, placement: Placement, log=lambda line: print(f"[megagrpo]
             port, index = free_port(), placement.server_index
             os.makedirs(cfg.output_dir, exist_ok=True)
             log_path = os.path.abspath(os.path.join(cfg.output_dir, f"vllm_server_{index}.log"))
-            with open(log_path, "w") as out:
-                process = subprocess.Popen(server_command(cfg, placement, host, port), env=server_env(placement),
-                                           stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            process = start_child_server(server_command(cfg, placement, host, port), server_env(placement), log_path)
             url = f"http://{host}:{port}"
-            server = Server(url, timeout, retries=0)
-            deadline = time.time() + timeout
-            while not server.healthy():
-                if process.poll() is not None or time.time() > deadline:
-                    raise ServingError(f"generator server {index} ({url}) " + (
-                        f"exited with {process.returncode}" if process.poll() is not None else
-                        f"did not answer /health within rollout.server_timeout_s = {timeout:g} s")
-                        + f"; its log: {log_path}:\n{log_tail(log_path)}")
-                time.sleep(1)
+            if not wait_until_healthy(process, url, timeout):
+                raise ServingError(f"generator server {index} ({url}) " + (
+                    f"exited with {process.returncode}" if process.poll() is not None else
+                    f"did not answer /health within rollout.server_timeout_s = {timeout:g} s")
+                    + f"; its log: {log_path}:\n{log_tail(log_path)}")
             store.set(server_key(index), url)
             log(f"generator server {index} serving at {url} (launch ranks {placement.rank}-"
                 f"{placement.rank + placement.generator_tp - 1}; log {log_path})")
@@ -141,12 +170,8 @@ def serve(cfg: Config, placement: Placement, log=lambda line: print(f"[megagrpo]
                                    "finishing the job (its error is above)") from None
             time.sleep(1)
     finally:
-        if process is not None and process.poll() is None:
-            process.terminate()  # vLLM shuts its engine down (within --shutdown-timeout)
-            try:
-                process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        if process is not None:
+            stop_child_server(process)
 
 
 def log_tail(path: str, lines: int = 30) -> str:
